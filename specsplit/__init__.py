@@ -1,0 +1,75 @@
+"""SpecSplit: speculative decoding with the draft and target on different devices or machines.
+
+Quick start::
+
+    from specsplit import SpecSplitGenerator, SpecSplitConfig
+    gen = SpecSplitGenerator.from_pretrained(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b")
+    print(gen.generate_text("Write a quicksort in Python", chat=True, max_new_tokens=128))
+"""
+
+from __future__ import annotations
+
+from specsplit.config import DraftConfig, SamplingParams, SpecSplitConfig, TargetConfig, TreeConfig
+from specsplit.draft import DraftCacheState, DraftEngine
+from specsplit.errors import (
+    CacheDesyncError,
+    ConfigError,
+    InvalidRequest,
+    ModelLoadError,
+    ResourceExhausted,
+    SessionNotFound,
+    SpecSplitError,
+    TransportError,
+)
+from specsplit.generator import SpecSplitGenerator, SpecSplitOutput
+from specsplit.kv_cache import StaticKVCache
+from specsplit.local import LocalTransport
+from specsplit.target import KVCacheState, TargetEngine
+from specsplit.telemetry import SpecStats
+from specsplit.transport import (
+    DraftRequest,
+    DraftResult,
+    Transport,
+    VerificationResult,
+    VerifyRequest,
+    VerifyResult,
+)
+from specsplit.tree import TokenNode, TokenTree
+from specsplit.tree_attention import bool_mask_to_float, build_tree_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheDesyncError",
+    "ConfigError",
+    "DraftCacheState",
+    "DraftConfig",
+    "DraftEngine",
+    "DraftRequest",
+    "DraftResult",
+    "InvalidRequest",
+    "KVCacheState",
+    "LocalTransport",
+    "ModelLoadError",
+    "ResourceExhausted",
+    "SamplingParams",
+    "SessionNotFound",
+    "SpecSplitConfig",
+    "SpecSplitError",
+    "SpecSplitGenerator",
+    "SpecSplitOutput",
+    "SpecStats",
+    "StaticKVCache",
+    "TargetConfig",
+    "TargetEngine",
+    "TokenNode",
+    "TokenTree",
+    "Transport",
+    "TransportError",
+    "TreeConfig",
+    "VerificationResult",
+    "VerifyRequest",
+    "VerifyResult",
+    "bool_mask_to_float",
+    "build_tree_attention",
+]

@@ -1,0 +1,127 @@
+"""`specsplit generate | serve | bench | models` — the command line.
+
+Each sub-command's parser and handler live next to the code they drive; this module only
+dispatches, so importing it stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("prompt", help="the prompt (chat template applied unless --raw)")
+    p.add_argument("--target", default=None, help="target model: alias, local dir or HF id")
+    p.add_argument("--draft", default=None, help="draft model: alias, local dir or HF id")
+    p.add_argument("--config", default=None, help="JSON/TOML SpecSplitConfig file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", choices=["chain", "static", "dynamic"], default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length K")
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="device for both models (e.g. cuda:0, cpu)")
+    p.add_argument("--draft-device", default=None)
+    p.add_argument("--target-device", default=None)
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
+    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from specsplit.config import SpecSplitConfig
+    from specsplit.generator import SpecSplitGenerator
+    from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
+    if args.tree:
+        cfg.tree.shape = args.tree
+    if args.num_draft_tokens is not None:
+        cfg.tree.num_draft_tokens = args.num_draft_tokens
+    for attr in ("draft", "target"):
+        sec = getattr(cfg, attr)
+        dev = getattr(args, f"{attr}_device") or args.device
+        if dev:
+            sec.device = dev
+        if args.dtype:
+            sec.dtype = args.dtype
+    target = args.target or cfg.target.model or DEFAULT_TARGET
+    draft = args.draft or cfg.draft.model or (DEFAULT_DRAFT if cfg.transport == "local" else None)
+    gen = SpecSplitGenerator.from_pretrained(target=target, draft=draft, config=cfg)
+    streamer = None
+    if not args.no_stream and not args.json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    for k in ("temperature", "top_p", "top_k"):
+        if getattr(args, k) is not None:
+            kwargs[k] = getattr(args, k)
+    if args.seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(args.seed)
+    text, stats = gen.generate_text(
+        args.prompt, chat=not args.raw, streamer=streamer, return_stats=True, **kwargs
+    )
+    if args.json:
+        print(json.dumps({"text": text, "stats": stats.summary()}, indent=2))
+    else:
+        if streamer is None:
+            print(text)
+        s = stats.summary()
+        print(
+            f"\n[specsplit] {s['new_tokens']} tokens in {s['wall_time_s']:.2f}s "
+            f"({s['tokens_per_s']:.1f} tok/s), {s['rounds']} rounds, tau={s['tau']:.2f}, "
+            f"acceptance={s['acceptance_rate']:.2f}, tree={cfg.tree.shape}",
+            file=sys.stderr,
+        )
+    gen.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    for modname in ("specsplit.models", "specsplit.remote.cli", "specsplit.bench"):
+        try:
+            mod = __import__(modname, fromlist=["add_cli"])
+        except ImportError as e:  # optional parts (grpc extra) may be missing
+            logging.getLogger(__name__).debug("sub-commands of %s unavailable: %s", modname, e)
+            continue
+        add = getattr(mod, "add_cli", None)
+        if add is not None:
+            add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from specsplit.errors import SpecSplitError
+
+    try:
+        return int(args.func(args) or 0)
+    except SpecSplitError as e:
+        print(f"specsplit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Configuration dataclasses, validated on construction, with ``SPECSPLIT_*`` environment overrides.
+
+Environment variables map onto fields by name: a top-level field ``foo`` is ``SPECSPLIT_FOO``, a
+field ``bar`` of the section ``draft``/``target``/``tree`` is ``SPECSPLIT_DRAFT_BAR`` and so on
+(e.g. ``SPECSPLIT_TRANSPORT=grpc``, ``SPECSPLIT_DRAFT_ADDRESS=10.0.0.5:50051``,
+``SPECSPLIT_TREE_SHAPE=dynamic``, ``SPECSPLIT_TARGET_DEVICE=cuda:1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from specsplit.errors import ConfigError
+from specsplit.tree import DEFAULT_STATIC_PATHS, StaticTreePlan, chain_plan, static_plan_from_paths
+
+TreeShape = Literal["chain", "static", "dynamic"]
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class SamplingParams:
+    """How tokens are chosen; ONE definition used by the draft, the target and the pipeline.
+
+    ``top_k=0`` and ``top_p=1.0`` disable those filters. With ``do_sample=False`` the output is
+    the target's greedy decoding and the other fields are ignored.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class TreeConfig:
+    """Shape of the draft tree.
+
+    Attributes:
+        shape: ``"chain"`` (K tokens in a line), ``"static"`` (fixed Medusa-style paths) or
+            ``"dynamic"`` (EAGLE-2 style: expand the top-k children of the most probable frontier
+            nodes by cumulative draft probability, within ``budget`` nodes and ``max_depth``).
+        num_draft_tokens: chain length K.
+        paths: static tree paths; ``None`` uses :data:`specsplit.tree.DEFAULT_STATIC_PATHS`.
+        topk: dynamic tree: children proposed per expanded node.
+        width: dynamic tree: frontier nodes expanded per level.
+        budget: dynamic tree: maximum number of nodes.
+        max_depth: dynamic tree: maximum depth.
+    """
+
+    shape: TreeShape = "chain"
+    num_draft_tokens: int = 4
+    paths: list[list[int]] | None = None
+    topk: int = 4
+    width: int = 4
+    budget: int = 24
+    max_depth: int = 6
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("chain", "static", "dynamic"):
+            raise ConfigError(f"tree shape must be 'chain', 'static' or 'dynamic', got {self.shape!r}")
+        if self.num_draft_tokens < 0:
+            raise ConfigError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        for name in ("topk", "width", "budget", "max_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"tree.{name} must be >= 1, got {getattr(self, name)}")
+        if self.shape == "static":
+            try:
+                self.static_plan()
+            except ValueError as e:
+                raise ConfigError(f"invalid static tree paths: {e}") from None
+
+    def static_plan(self) -> StaticTreePlan:
+        """The fixed plan for ``chain``/``static`` shapes."""
+        if self.shape == "chain":
+            return chain_plan(self.num_draft_tokens)
+        if self.shape == "static":
+            return static_plan_from_paths(self.paths if self.paths is not None else DEFAULT_STATIC_PATHS)
+        raise ConfigError("a dynamic tree has no static plan")
+
+    @property
+    def max_nodes(self) -> int:
+        """Upper bound on the node count (sizes caches and the verify budget)."""
+        if self.shape == "dynamic":
+            return self.budget
+        return self.static_plan().num_nodes
+
+    @property
+    def depth_limit(self) -> int:
+        if self.shape == "dynamic":
+            return self.max_depth
+        return self.static_plan().depth
+
+
+@dataclass
+class DraftConfig:
+    """Draft model and engine settings.
+
+    Attributes:
+        model: HF id, local directory or alias of the draft model (``None`` in remote mode).
+        device: torch device, e.g. ``"cuda:0"``; ``None`` picks cuda:0 if present, else CPU.
+        dtype: ``"auto"`` (bf16 on GPU, fp32 on CPU), ``"float32"``, ``"float16"``, ``"bfloat16"``.
+        q_top_k: when sampling, the draft samples from its top-``q_top_k`` tokens (renormalised) so
+            the distribution it drew from is exact and small enough to send sparsely.
+        max_sessions: LRU bound on live sessions.
+        session_ttl_s: idle sessions older than this are purged.
+    """
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    q_top_k: int = 32
+    max_sessions: int = 64
+    session_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, "draft")
+        if self.q_top_k < 1:
+            raise ConfigError(f"draft.q_top_k must be >= 1, got {self.q_top_k}")
+        _check_sessions(self.max_sessions, self.session_ttl_s, "draft")
+
+
+@dataclass
+class TargetConfig:
+    """Target model and engine settings.
+
+    Attributes:
+        model: HF id, local directory or alias of the target model.
+        device: torch device for the whole target, e.g. ``"cuda:1"``.
+        device_map: accelerate device map (``"auto"`` or a dict) to spread the target over GPUs;
+            takes precedence over ``device``.
+        dtype: as for :class:`DraftConfig`.
+        max_tree_nodes / max_tree_depth: largest tree a request may carry.
+        max_context: largest prompt + generation a session may grow to.
+        stateless: keep no KV between requests (every request must carry the full context).
+    """
+
+    model: str | None = None
+    device: str | None = None
+    device_map: str | dict[str, Any] | None = None
+    dtype: str = "auto"
+    max_tree_nodes: int = 256
+    max_tree_depth: int = 64
+    max_context: int = 32768
+    max_sessions: int = 64
+    session_ttl_s: float = 600.0
+    stateless: bool = False
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype, "target")
+        if self.max_tree_nodes < 1 or self.max_tree_depth < 1:
+            raise ConfigError("target.max_tree_nodes and target.max_tree_depth must be >= 1")
+        if self.max_context < 2:
+            raise ConfigError(f"target.max_context must be >= 2, got {self.max_context}")
+        _check_sessions(self.max_sessions, self.session_ttl_s, "target")
+
+
+@dataclass
+class SpecSplitConfig:
+    """Top-level configuration.
+
+    Attributes:
+        transport: ``"local"`` (engines in this process) or ``"grpc"`` (remote workers).
+        draft_address / target_address: ``host:port`` of the workers in gRPC mode.
+        timeout_s: deadline of each remote call.
+        auth_token: bearer token sent to the workers (gRPC mode).
+        tls_ca_file: CA certificate that signs the workers' TLS certificates (gRPC mode).
+        overlap: draft round N+1 while round N verifies (needs draft and target on different
+            devices or machines to pay off; output is identical either way).
+        sync_timing: synchronise the device around each span so the draft/verify split in
+            telemetry is exact (costs a little speed on GPU).
+    """
+
+    transport: Literal["local", "grpc"] = "local"
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    draft_address: str | None = None
+    target_address: str | None = None
+    timeout_s: float = 60.0
+    auth_token: str | None = None
+    tls_ca_file: str | None = None
+    overlap: bool = False
+    sync_timing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("local", "grpc"):
+            raise ConfigError(f"transport must be 'local' or 'grpc', got {self.transport!r}")
+        if self.transport == "grpc" and not self.target_address:
+            raise ConfigError(
+                "transport='grpc' needs target_address='host:port' (or SPECSPLIT_TARGET_ADDRESS); "
+                "draft_address is optional (without it the client decodes target-only)"
+            )
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecSplitConfig:
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown config keys: {sorted(unknown)}")
+        sections = {"draft": DraftConfig, "target": TargetConfig, "tree": TreeConfig}
+        for key, sec_cls in sections.items():
+            if isinstance(d.get(key), dict):
+                sub = d[key]
+                bad = set(sub) - {f.name for f in dataclasses.fields(sec_cls)}
+                if bad:
+                    raise ConfigError(f"unknown keys in config section {key!r}: {sorted(bad)}")
+                d[key] = sec_cls(**sub)
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> SpecSplitConfig:
+        """Load JSON (``.json``) or TOML (``.toml``), then apply environment overrides."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(p.read_text())
+        else:
+            data = json.loads(p.read_text())
+        return cls.from_env(base=cls.from_dict(data))
+
+    @classmethod
+    def from_env(
+        cls, base: SpecSplitConfig | None = None, environ: dict[str, str] | None = None
+    ) -> SpecSplitConfig:
+        """``base`` (or defaults) with every ``SPECSPLIT_*`` variable applied."""
+        env = os.environ if environ is None else environ
+        d = base.to_dict() if base is not None else _defaults_dict()
+        for f in dataclasses.fields(cls):
+            if f.name in ("draft", "target", "tree"):
+                sec_cls = {"draft": DraftConfig, "target": TargetConfig, "tree": TreeConfig}[f.name]
+                for sf in dataclasses.fields(sec_cls):
+                    key = f"SPECSPLIT_{f.name}_{sf.name}".upper()
+                    if key in env:
+                        d[f.name][sf.name] = _parse(env[key], sf.type, key)
+            else:
+                key = f"SPECSPLIT_{f.name}".upper()
+                if key in env:
+                    d[f.name] = _parse(env[key], f.type, key)
+        return cls.from_dict(d)
+
+
+def _defaults_dict() -> dict[str, Any]:
+    return {
+        "transport": "local",
+        "draft": dataclasses.asdict(DraftConfig()),
+        "target": dataclasses.asdict(TargetConfig()),
+        "tree": dataclasses.asdict(TreeConfig()),
+    }
+
+
+def _parse(raw: str, typ: Any, key: str) -> Any:
+    t = str(typ)
+    try:
+        if t.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+        if "list" in t or "dict" in t:
+            if raw.strip().startswith(("[", "{")):
+                return json.loads(raw)
+            return raw
+    except (ValueError, json.JSONDecodeError):
+        raise ConfigError(f"environment variable {key}={raw!r} is not a valid {t}") from None
+    return None if raw.lower() == "none" and "None" in t else raw
+
+
+def _check_dtype(dtype: str, section: str) -> None:
+    if dtype not in _DTYPES:
+        raise ConfigError(f"{section}.dtype must be one of {_DTYPES}, got {dtype!r}")
+
+
+def _check_sessions(max_sessions: int, ttl: float, section: str) -> None:
+    if max_sessions < 1:
+        raise ConfigError(f"{section}.max_sessions must be >= 1, got {max_sessions}")
+    if ttl <= 0:
+        raise ConfigError(f"{section}.session_ttl_s must be > 0, got {ttl}")

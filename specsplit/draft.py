@@ -1,0 +1,413 @@
+"""DraftEngine: per-session draft KV caches and tree growth, one draft forward per tree level.
+
+A round: ingest the committed tokens the session has not seen (one causal forward, which also
+yields the distribution of the root's children), then grow the tree level by level — all nodes
+of a level in ONE forward with tree attention — and finally roll the cache back to the committed
+context (O(1)). Nothing here reads device values back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+import torch
+
+from specsplit.config import DraftConfig, SamplingParams, TreeConfig
+from specsplit.engine_common import (
+    PROTOCOL_VERSION,
+    ModelRunner,
+    make_store,
+    sync_device,
+)
+from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, SessionNotFound
+from specsplit.kv_cache import StaticKVCache
+from specsplit.sampling import (
+    logits_to_probs,
+    make_generator,
+    sample_without_replacement,
+    truncate_top_k,
+)
+from specsplit.transport import DraftRequest, DraftResult, WorkerInfo, WorkerStats
+from specsplit.tree import StaticTreePlan, TokenTree
+from specsplit.tree_attention import ancestor_matrix, bool_mask_to_float, build_verify_attention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftCacheState:
+    """A draft session: its KV cache, the ids it holds, and the logits after the last one."""
+
+    kv_cache: StaticKVCache
+    cached_prompt_ids: list[int]
+    cached_last_logits: torch.Tensor | None = None  # [vocab]
+
+    @property
+    def cached_prompt_len(self) -> int:
+        return len(self.cached_prompt_ids)
+
+
+@dataclass(frozen=True)
+class _PlanTensors:
+    anc: torch.Tensor  # [N, N] bool
+    levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], ...]
+    # per level: (local parent index [W], rank [W], node index [W], start, end, kmax)
+
+
+class DraftEngine:
+    """The draft side of speculative decoding.
+
+    Args:
+        model: a loaded HF causal LM (or ``None`` and ``config.model`` + :meth:`load_model`).
+        config: engine settings.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, config: DraftConfig | None = None):
+        self.config = config or DraftConfig()
+        self.runner = ModelRunner(model, self.config.model, self.config.device, None, self.config.dtype)
+        self._store = make_store(self.config.max_sessions, self.config.session_ttl_s, "draft-sessions")
+        self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.runner.is_loaded
+
+    @property
+    def model_vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.output_device
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._store)
+
+    def end_session(self, session_id: str) -> bool:
+        return self._store.pop(session_id)
+
+    def reset_cache(self, session_id: str | None = None) -> None:
+        """Forget one session's cache, or every session's."""
+        if session_id is None:
+            self._store.clear()
+        else:
+            self._store.pop(session_id)
+
+    def purge_stale_sessions(self, ttl_seconds: float | None = None) -> int:
+        return self._store.purge_stale(ttl_seconds)
+
+    def shutdown(self) -> None:
+        self._store.stop_purger()
+        self._store.clear()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_type="draft",
+            model_name=self.runner.model_name,
+            vocab_size=self.runner.vocab_size if self.is_loaded else 0,
+            dtype=str(self.runner.dtype).replace("torch.", "") if self.is_loaded else "",
+            device=str(self.device) if self.is_loaded else "",
+            protocol_version=PROTOCOL_VERSION,
+            active_sessions=self.active_sessions,
+        )
+
+    # ------------------------------------------------------------------ legacy convenience
+    def generate_draft_tree(
+        self,
+        prompt_ids: list[int],
+        k: int = 4,
+        num_beams: int = 1,
+        temperature: float = 0.0,
+        session_id: str = "default",
+    ) -> TokenTree:
+        """Original-design entry point: a chain of ``k`` (``num_beams == 1``) or a static tree
+        ``num_beams`` wide at the root; ``temperature > 0`` samples. ``prompt_ids`` is the full context."""
+        if num_beams <= 1:
+            tree = TreeConfig(shape="chain", num_draft_tokens=k)
+        else:
+            paths = [[b] for b in range(num_beams)] + [[0] * d for d in range(2, k + 1)]
+            tree = TreeConfig(shape="static", paths=paths)
+        sampling = SamplingParams(do_sample=temperature > 0, temperature=temperature or 1.0)
+        req = DraftRequest(session_id, list(prompt_ids), 0, tree=tree, sampling=sampling)
+        return self.generate(req).tree
+
+    # ------------------------------------------------------------------ main entry
+    def generate(self, req: DraftRequest) -> DraftResult:
+        """Ingest ``req.new_token_ids`` and grow a tree; see :class:`DraftRequest`.
+
+        Raises:
+            InvalidRequest: bad token ids or tree settings.
+            SessionNotFound: ``prefix_length > 0`` for a session the engine does not hold.
+            CacheDesyncError: ``prefix_length`` disagrees with the session's cache.
+        """
+        t0 = time.perf_counter()
+        self.runner.require()
+        self.runner.check_token_ids(req.new_token_ids, "new_token_ids")
+        if req.prefix_length < 0:
+            raise InvalidRequest(f"prefix_length must be >= 0, got {req.prefix_length}")
+        if req.tree.shape != "dynamic" and req.sampling.do_sample:
+            if self.config.q_top_k < req.tree.static_plan().max_branch:
+                raise ConfigError(
+                    f"draft.q_top_k={self.config.q_top_k} is smaller than the tree's widest fan-out "
+                    f"({req.tree.static_plan().max_branch}); raise q_top_k"
+                )
+        stats = WorkerStats(device=str(self.device))
+        capacity = max(req.capacity_hint, req.prefix_length + len(req.new_token_ids)) + req.tree.max_nodes + 8
+        if req.prefix_length > 0 and req.session_id not in self._store:
+            raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
+        state, existed = self._store.get_or_create(
+            req.session_id, lambda: DraftCacheState(self.runner.new_cache(capacity), [])
+        )
+        with self._store.locked(req.session_id):
+            root_logits, hit = self._ingest(state, req, stats, capacity)
+            gen = make_generator(self.device, req.seed) if req.sampling.do_sample else None
+            committed = state.kv_cache.seq_len
+            try:
+                tree = self._grow(state, root_logits, req, gen, stats)
+            finally:
+                state.kv_cache.rollback(committed)
+        stats.wall_time_s = time.perf_counter() - t0
+        return DraftResult(tree=tree, prefix_length=state.cached_prompt_len, stats=stats, cache_hit=hit and existed)
+
+    # ------------------------------------------------------------------ ingest
+    def _ingest(
+        self, state: DraftCacheState, req: DraftRequest, stats: WorkerStats, capacity: int
+    ) -> tuple[torch.Tensor, bool]:
+        new = req.new_token_ids
+        if req.prefix_length == 0:
+            # Full context: reuse the longest cached prefix with identical ids.
+            old = state.cached_prompt_ids
+            lcp = 0
+            for a, b in zip(old, new, strict=False):
+                if a != b:
+                    break
+                lcp += 1
+            if lcp == len(new) == len(old) and state.cached_last_logits is not None:
+                return state.cached_last_logits, True
+            if not new:
+                raise InvalidRequest("new_token_ids is empty: a new context needs at least one token")
+            lcp = min(lcp, len(new) - 1)
+            state.kv_cache.rollback(lcp)
+            state.cached_prompt_ids = list(new[:lcp])
+            todo, hit = new[lcp:], lcp > 0
+        else:
+            if req.prefix_length != state.cached_prompt_len:
+                raise CacheDesyncError(
+                    f"draft session {req.session_id!r} holds {state.cached_prompt_len} tokens, "
+                    f"caller expected {req.prefix_length}; resend the full context",
+                    expected=req.prefix_length,
+                    actual=state.cached_prompt_len,
+                )
+            if not new:
+                if state.cached_last_logits is None:
+                    raise InvalidRequest("new_token_ids is empty and the session has no pending logits")
+                return state.cached_last_logits, True
+            todo, hit = new, True
+        cache = state.kv_cache
+        cache.ensure_capacity(max(capacity, cache.seq_len + len(todo) + req.tree.max_nodes + 8))
+        length = cache.seq_len
+        ids = torch.tensor([todo], dtype=torch.long)
+        empty = torch.zeros(0, dtype=torch.long)
+        mask, pos = build_verify_attention(empty, length, len(todo), self.runner.dtype)
+        t = time.perf_counter()
+        logits = self.runner.forward(ids, pos, mask, cache, logits_to_keep=1)[-1]  # [V]
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += len(todo)
+        stats.forwards += 1
+        state.cached_prompt_ids.extend(todo)
+        state.cached_last_logits = logits
+        return logits, hit
+
+    # ------------------------------------------------------------------ tree growth
+    def _grow(
+        self,
+        state: DraftCacheState,
+        root_logits: torch.Tensor,
+        req: DraftRequest,
+        gen: torch.Generator | None,
+        stats: WorkerStats,
+    ) -> TokenTree:
+        depth = req.tree.depth_limit if req.max_depth is None else min(req.max_depth, req.tree.depth_limit)
+        if depth <= 0:
+            return TokenTree.empty(self.device)
+        if req.tree.shape == "dynamic":
+            return self._grow_dynamic(state, root_logits, req, depth, stats)
+        plan = req.tree.static_plan().truncated(depth)
+        return self._grow_static(state, root_logits, plan, req.sampling, gen, stats)
+
+    def _plan_tensors(self, plan: StaticTreePlan) -> _PlanTensors:
+        key = (plan, str(self.device))
+        pt = self._plans.get(key)
+        if pt is None:
+            dev = self.device
+            parents = torch.tensor(plan.parents, dtype=torch.long, device=dev)
+            levels = []
+            prev: tuple[int, ...] = (-1,)
+            for idx, par, rank in plan.levels:
+                local = torch.tensor([prev.index(p) for p in par], dtype=torch.long, device=dev)
+                levels.append(
+                    (
+                        local,
+                        torch.tensor(rank, dtype=torch.long, device=dev),
+                        torch.tensor(idx, dtype=torch.long, device=dev),
+                        idx[0],
+                        idx[-1] + 1,
+                        max(rank) + 1,
+                    )
+                )
+                prev = idx
+            pt = _PlanTensors(ancestor_matrix(parents), tuple(levels))
+            self._plans[key] = pt
+        return pt
+
+    def _level_forward(
+        self,
+        state: DraftCacheState,
+        tokens: torch.Tensor,
+        allowed: torch.Tensor,
+        positions: torch.Tensor,
+        stats: WorkerStats,
+    ) -> torch.Tensor:
+        """Forward one level of ``W`` nodes. ``allowed``: `[W, n_tree_kv]` bool over tree slots."""
+        cache = state.kv_cache
+        ctx = cache.seq_len - (allowed.shape[1] - tokens.shape[0])  # committed length
+        full = torch.cat([torch.ones(allowed.shape[0], ctx, dtype=torch.bool, device=allowed.device), allowed], 1)
+        mask = bool_mask_to_float(full[None, None], self.runner.dtype)
+        t = time.perf_counter()
+        logits = self.runner.forward(tokens[None], positions[None], mask, cache, logits_to_keep=tokens.shape[0])
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += tokens.shape[0]
+        stats.forwards += 1
+        return logits  # [W, V]
+
+    def _grow_static(
+        self,
+        state: DraftCacheState,
+        root_logits: torch.Tensor,
+        plan: StaticTreePlan,
+        sampling: SamplingParams,
+        gen: torch.Generator | None,
+        stats: WorkerStats,
+    ) -> TokenTree:
+        dev = self.device
+        pt = self._plan_tensors(plan)
+        n = plan.num_nodes
+        committed = state.kv_cache.seq_len
+        tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        logq = torch.zeros(n, dtype=torch.float32, device=dev)
+        kq = self.config.q_top_k
+        q_ids = torch.zeros(n, kq, dtype=torch.long, device=dev) if sampling.do_sample else None
+        q_probs = torch.zeros(n, kq, dtype=torch.float32, device=dev) if sampling.do_sample else None
+        parent_logits = root_logits[None]  # [P, V]
+        for d, (local, rank, idx, start, end, kmax) in enumerate(pt.levels):
+            probs = logits_to_probs(parent_logits, sampling)  # [P, V]
+            if q_ids is None or q_probs is None:
+                vals, ids = torch.topk(probs, kmax, dim=-1)  # deterministic top-k expansion
+                tok = ids[local, rank]
+                logq[start:end] = vals[local, rank].clamp_min(1e-30).log()
+            else:
+                sids, sprobs = truncate_top_k(probs, kq)  # [P, Kq]
+                order = sample_without_replacement(sprobs, kmax, gen)  # [P, kmax] draw order
+                # q of the r-th sibling: the truncated q without siblings drawn before it.
+                drawn = torch.nn.functional.one_hot(order, sprobs.shape[-1]).bool()  # [P, kmax, Kq]
+                earlier = (drawn.cumsum(1) - drawn.long()) > 0
+                qs = sprobs[:, None, :].masked_fill(earlier, 0.0)
+                qs = qs / qs.sum(-1, keepdim=True).clamp_min(1e-30)  # exhausted rows stay 0
+                pos = order[local, rank]  # [W]
+                tok = sids[local, pos]
+                q_ids[start:end] = sids[local]
+                q_probs[start:end] = qs[local, rank]
+                logq[start:end] = qs[local, rank].gather(1, pos[:, None]).squeeze(1).clamp_min(1e-30).log()
+            tokens[start:end] = tok
+            if d + 1 < len(pt.levels):
+                positions = torch.full((end - start,), committed + d, dtype=torch.long, device=dev)
+                parent_logits = self._level_forward(state, tok, pt.anc[start:end, :end], positions, stats)
+        depths = torch.tensor(plan.depths, dtype=torch.long, device=dev)
+        parents = torch.tensor(plan.parents, dtype=torch.long, device=dev)
+        return TokenTree(tokens, parents, depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
+
+    def _grow_dynamic(
+        self,
+        state: DraftCacheState,
+        root_logits: torch.Tensor,
+        req: DraftRequest,
+        depth: int,
+        stats: WorkerStats,
+    ) -> TokenTree:
+        """EAGLE-2 style: expand the top-``width`` candidates of each level by cumulative draft
+        log-probability, then keep the ``budget`` best nodes overall (always a valid tree, since a
+        child's cumulative score never exceeds its parent's). Expansion is deterministic top-k,
+        so ``q`` is one-hot and verification stays lossless under sampling."""
+        dev = self.device
+        cfg: TreeConfig = req.tree
+        k, w = cfg.topk, cfg.width
+        committed = state.kv_cache.seq_len
+        probs = logits_to_probs(root_logits[None], req.sampling)  # [1, V]
+        vals, ids = torch.topk(probs, k, dim=-1)
+        pool_tok = [ids[0]]
+        pool_score = [vals[0].clamp_min(1e-30).log()]
+        pool_logq = [pool_score[0]]
+        pool_parent = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        pool_depth = [torch.ones(k, dtype=torch.long, device=dev)]
+        size = k  # pool size so far (host int: shapes are static)
+        level_start, level_len = 0, k
+        fw_slot = torch.full((k + (depth - 1) * w * k,), -1, dtype=torch.long, device=dev)
+        fw_anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+        n_fw = 0
+        for d in range(1, depth):
+            cat_score = torch.cat(pool_score)
+            cat_tok = torch.cat(pool_tok)
+            cat_parent = torch.cat(pool_parent)
+            width = min(w, level_len)
+            front = level_start + torch.topk(cat_score[level_start : level_start + level_len], width).indices
+            # Ancestors of the frontier among forwarded nodes: the parent's row plus itself.
+            par_slot = torch.where(cat_parent[front] >= 0, fw_slot[cat_parent[front].clamp_min(0)], -1)
+            grown = torch.zeros(n_fw + width, n_fw + width, dtype=torch.bool, device=dev)
+            grown[:n_fw, :n_fw] = fw_anc
+            if n_fw:
+                grown[n_fw:, :n_fw] = fw_anc[par_slot.clamp_min(0)] & (par_slot >= 0)[:, None]
+            grown[n_fw:, n_fw:] = torch.eye(width, dtype=torch.bool, device=dev)
+            fw_anc = grown
+            fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
+            n_fw += width
+            positions = torch.full((width,), committed + d - 1, dtype=torch.long, device=dev)
+            logits = self._level_forward(state, cat_tok[front], fw_anc[n_fw - width :], positions, stats)
+            probs = logits_to_probs(logits, req.sampling)  # [W, V]
+            vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
+            lq = vals.clamp_min(1e-30).log()
+            pool_tok.append(ids.reshape(-1))
+            pool_logq.append(lq.reshape(-1))
+            pool_score.append((cat_score[front][:, None] + lq).reshape(-1))
+            pool_parent.append(front[:, None].expand(width, k).reshape(-1))
+            pool_depth.append(torch.full((width * k,), d + 1, dtype=torch.long, device=dev))
+            level_start, level_len = size, width * k
+            size += width * k
+        score = torch.cat(pool_score)
+        tok = torch.cat(pool_tok)
+        logq = torch.cat(pool_logq)
+        parent = torch.cat(pool_parent)
+        dep = torch.cat(pool_depth)
+        budget = min(cfg.budget, size)
+        # Best `budget` by score; ties go to the shallower node so parents rank before children.
+        by_depth = torch.sort(dep, stable=True).indices
+        by_score = by_depth[torch.sort(score[by_depth], descending=True, stable=True).indices]
+        chosen = by_score[:budget]
+        bfs = chosen[torch.sort(dep[chosen] * size + chosen).indices]  # BFS order
+        new_index = torch.full((size,), -1, dtype=torch.long, device=dev)
+        new_index[bfs] = torch.arange(budget, device=dev)
+        par = parent[bfs]
+        new_par = torch.where(par >= 0, new_index[par.clamp_min(0)], -1)
+        return TokenTree(tok[bfs], new_par, dep[bfs], logq[bfs], None, None, k, depth)
+
+    # ------------------------------------------------------------------ misc
+    def synchronize(self) -> None:
+        sync_device(self.device)
+
+    def __repr__(self) -> str:
+        return f"DraftEngine(model={self.runner.model_name!r}, sessions={self.active_sessions})"

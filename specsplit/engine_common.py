@@ -1,0 +1,162 @@
+"""What both engines share: model loading/placement, the cached forward, session plumbing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from specsplit.errors import InvalidRequest, ModelLoadError, ResourceExhausted
+from specsplit.kv_cache import StaticKVCache
+from specsplit.sessions import SessionStore
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = "specsplit.v1"
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None) -> torch.dtype:
+    """``"auto"`` → bf16 on CUDA, fp32 elsewhere (multi-token forwards are slow in bf16 on CPU)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        dev = torch.device(device) if device is not None else default_device()
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelRunner:
+    """Owns a causal LM and runs cached forwards with explicit masks and positions.
+
+    Args:
+        model: a loaded HF causal LM, or ``None`` to load ``model_name`` on :meth:`load_model`.
+        model_name: alias / directory / HF id (used when ``model`` is None).
+        device, device_map, dtype: placement (see the engine configs).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        model_name: str | None,
+        device: str | None,
+        device_map: Any,
+        dtype: str,
+    ):
+        self.model = model
+        self.model_name = model_name or (getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        self._device = device
+        self._device_map = device_map
+        self._dtype = dtype
+        self.forward_count = 0  # number of model forwards (tests count one per verify round)
+        self._lock = threading.Lock()
+        if model is not None:
+            self._prepare(model)
+
+    # ------------------------------------------------------------------ loading
+    @property
+    def is_loaded(self) -> bool:
+        return self.model is not None
+
+    def load_model(self) -> None:
+        if self.model is not None:
+            return
+        if not self.model_name:
+            raise ModelLoadError("no model given: pass a model object or set config.model")
+        from specsplit.models import load_model
+
+        dev = None if self._device_map is not None else (self._device or str(default_device()))
+        dtype = resolve_dtype(self._dtype, dev)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_name, dtype=dtype, device=dev, device_map=self._device_map)
+        logger.info("loaded %s on %s in %.1fs", self.model_name, self.input_device, time.perf_counter() - t0)
+        self._prepare(self.model)
+
+    def _prepare(self, model: torch.nn.Module) -> None:
+        model.eval()
+        if self._device is not None and self._device_map is None and not hasattr(model, "hf_device_map"):
+            model.to(self._device)
+        if self._dtype != "auto" and self._device_map is None:
+            want = resolve_dtype(self._dtype, self._device)
+            if next(model.parameters()).dtype != want:
+                model.to(want)
+        cfg = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.config_vocab_size = int(getattr(cfg, "vocab_size", self.vocab_size))
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.dtype = next(model.parameters()).dtype
+        self.input_device = model.get_input_embeddings().weight.device
+        self.output_device = model.get_output_embeddings().weight.device
+
+    def require(self) -> torch.nn.Module:
+        if self.model is None:
+            raise ModelLoadError("model not loaded: call load_model() first")
+        return self.model
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: StaticKVCache,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """One cached forward.
+
+        Args:
+            input_ids: `[1, q]` int64.
+            position_ids: `[1, q]` int64 absolute positions.
+            mask: `[1, 1, q, cache.seq_len + q]` additive float mask (model dtype).
+            cache: the session cache (appended to).
+            logits_to_keep: how many trailing rows of logits to compute.
+
+        Returns:
+            `[logits_to_keep, vocab]` logits (on the output device).
+        """
+        model = self.require()
+        dev = self.input_device
+        out = model(
+            input_ids=input_ids.to(dev, non_blocking=True),
+            position_ids=position_ids.to(dev, non_blocking=True),
+            attention_mask=mask.to(dev, non_blocking=True),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        self.forward_count += 1
+        return out.logits[0]
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        return StaticKVCache(self.num_layers, max(capacity, 16))
+
+    def check_token_ids(self, ids: list[int], what: str) -> None:
+        """Raise InvalidRequest for non-int or out-of-vocab ids (host-side, no device work)."""
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size:
+                raise InvalidRequest(f"{what}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+
+
+def check_capacity(total: int, max_context: int) -> None:
+    if total > max_context:
+        raise ResourceExhausted(
+            f"session would hold {total} tokens; the engine's max_context is {max_context}"
+        )
+
+
+def make_store(max_sessions: int, ttl_s: float, name: str) -> SessionStore[Any]:
+    store: SessionStore[Any] = SessionStore(max_sessions, ttl_s, name=name)
+    store.start_purger()
+    return store
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

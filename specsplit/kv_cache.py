@@ -1,0 +1,198 @@
+"""A preallocated, position-indexed KV cache that HF Llama/Qwen2 models write into.
+
+Each layer owns `[batch, kv_heads, capacity, head_dim]` key and value buffers, allocated once (on
+the layer's own device, so accelerate device maps work) and sized to need: prompt +
+``max_new_tokens`` + tree budget, never ``max_position_embeddings``. A forward appends by slice
+assignment; ``rollback`` only moves the length (rejected slots are overwritten next time), and
+``compact`` keeps an accepted tree branch by copying just the accepted positions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+logger = logging.getLogger(__name__)
+
+GROW_CHUNK = 256  # tokens added per growth step when a session outgrows its estimate
+
+
+class _StaticKVLayer(CacheLayerMixin):
+    """One layer's buffers; allocated lazily on the first update (device/dtype from the model)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.zeros(b, h, self.capacity, d, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(
+            b, h, self.capacity, value_states.shape[-1], dtype=value_states.dtype, device=value_states.device
+        )
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        new_cap = ((needed + GROW_CHUNK - 1) // GROW_CHUNK) * GROW_CHUNK
+        assert self.keys is not None and self.values is not None
+        logger.debug("growing KV layer from %d to %d slots", self.capacity, new_cap)
+        k = self.keys.new_zeros(*self.keys.shape[:2], new_cap, self.keys.shape[-1])
+        v = self.values.new_zeros(*self.values.shape[:2], new_cap, self.values.shape[-1])
+        k[:, :, : self.length] = self.keys[:, :, : self.length]
+        v[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values, self.capacity = k, v, new_cap
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            self._grow(end)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        # Attend over the valid prefix only, not the whole preallocated buffer.
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.length + max_length
+        self.length = max(0, min(self.length, max_length))
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class StaticKVCache(Cache):
+    """Preallocated KV cache with O(1) rollback and accepted-branch compaction.
+
+    Args:
+        num_layers: decoder layers of the model.
+        capacity: initial slots per layer; grows by ``GROW_CHUNK`` if ever exceeded.
+
+    Use :meth:`for_model` to size it from a model.
+    """
+
+    def __init__(self, num_layers: int, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        super().__init__(layers=[_StaticKVLayer(capacity) for _ in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, capacity: int) -> StaticKVCache:
+        cfg = getattr(model, "config", None)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        n = getattr(cfg, "num_hidden_layers", None)
+        if n is None:
+            raise ValueError("model.config has no num_hidden_layers; cannot size a StaticKVCache")
+        return cls(int(n), capacity)
+
+    # ------------------------------------------------------------------ lengths
+    @property
+    def _static_layers(self) -> list[_StaticKVLayer]:
+        return self.layers  # type: ignore[return-value]
+
+    @property
+    def seq_len(self) -> int:
+        return self._static_layers[0].length
+
+    @property
+    def capacity(self) -> int:
+        return self._static_layers[0].capacity
+
+    @property
+    def remaining_capacity(self) -> int:
+        return self.capacity - self.seq_len
+
+    @property
+    def is_full(self) -> bool:
+        return self.seq_len >= self.capacity
+
+    def ensure_capacity(self, total: int) -> None:
+        """Make room for ``total`` tokens now (one growth instead of several small ones)."""
+        for layer in self._static_layers:
+            if total > layer.capacity:
+                if layer.is_initialized:
+                    layer._grow(total)
+                else:
+                    layer.capacity = total
+
+    # ------------------------------------------------------------------ editing
+    def rollback(self, accepted_length: int) -> None:
+        """Keep the first ``accepted_length`` tokens (O(1): only the length moves)."""
+        if not 0 <= accepted_length <= self.seq_len:
+            raise ValueError(f"cannot roll back to {accepted_length}; cache holds {self.seq_len}")
+        for layer in self._static_layers:
+            layer.length = accepted_length
+
+    def crop(self, max_length: int) -> None:
+        """HF semantics: positive keeps that many tokens, negative removes that many."""
+        for layer in self._static_layers:
+            layer.crop(max_length)
+
+    def reset(self) -> None:
+        for layer in self._static_layers:
+            layer.length = 0
+
+    def compact(self, keep_indices: torch.Tensor, start: int) -> None:
+        """Move the slots ``keep_indices`` (ascending, all >= ``start``) to ``start, start+1, ...``.
+
+        Used after verification: the accepted tree positions follow the committed prefix; the
+        cache length becomes ``start + len(keep_indices)``. Copies only the kept positions.
+
+        Args:
+            keep_indices: `[m]` int64 absolute slot indices, ascending.
+            start: first destination slot.
+        """
+        m = int(keep_indices.shape[0])
+        for layer in self._static_layers:
+            if m and layer.is_initialized:
+                assert layer.keys is not None and layer.values is not None
+                idx = keep_indices.to(layer.keys.device)
+                # Gather first: sources and destinations may overlap.
+                k = layer.keys.index_select(2, idx)
+                v = layer.values.index_select(2, idx)
+                layer.keys[:, :, start : start + m] = k
+                layer.values[:, :, start : start + m] = v
+            layer.length = start + m
+
+    def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append without attending (e.g. to preload a prefix computed elsewhere)."""
+        self.layers[layer_idx].update(key_states, value_states)
+
+    def get_kv_for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The valid `[B, H, seq_len, D]` keys and values of one layer."""
+        layer = self._static_layers[layer_idx]
+        if not layer.is_initialized:
+            raise ValueError(f"layer {layer_idx} holds nothing yet")
+        assert layer.keys is not None and layer.values is not None
+        return layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length]
+
+    def memory_bytes(self) -> int:
+        total = 0
+        for layer in self._static_layers:
+            if layer.is_initialized:
+                assert layer.keys is not None and layer.values is not None
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total

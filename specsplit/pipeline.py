@@ -1,0 +1,175 @@
+"""The decoding loop: draft, verify, commit, stop — for one sequence, over any Transport.
+
+Stop conditions (checked on the committed tokens of each round, never overshooting): any EOS id,
+any stop string (the text of the generated tokens ends with it), ``max_new_tokens``.
+Recovery: a desynchronised or lost session is rebuilt by resending the full context; an
+unreachable draft turns the rest of the generation into target-only steps (same output).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specsplit.config import SamplingParams, TreeConfig
+from specsplit.errors import CacheDesyncError, SessionNotFound, TransportError
+from specsplit.telemetry import RoundStats, SpecStats
+from specsplit.transport import DraftRequest, DraftResult, Transport, VerifyRequest, VerifyResult
+from specsplit.tree import TokenTree
+
+logger = logging.getLogger(__name__)
+
+_SEED_HIGH = 2**62
+
+
+@dataclass
+class DecodeParams:
+    """What the loop needs besides the prompt."""
+
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: Any = None  # needed for stop strings
+    generator: torch.Generator | None = None  # CPU RNG the per-round seeds are drawn from
+    after_draft: Callable[[], None] | None = None  # e.g. a device sync for exact timing
+
+
+class _StopChecker:
+    def __init__(self, params: DecodeParams):
+        self.eos = params.eos_token_ids
+        self.stops = params.stop_strings
+        self.tok = params.tokenizer
+        if self.stops and self.tok is None:
+            raise ValueError("stop_strings need a tokenizer (pass tokenizer= to generate)")
+        self.window = (max((len(s) for s in self.stops), default=0) + 8) if self.stops else 0
+
+    def cut(self, generated: list[int], new: list[int]) -> tuple[list[int], bool]:
+        """Truncate ``new`` after the first stop condition; ``(kept, stopped)``."""
+        for i, t in enumerate(new):  # at most tree depth + 1 host ints
+            if t in self.eos:
+                return self._strings(generated, new[: i + 1], True)
+        return self._strings(generated, new, False)
+
+    def _strings(self, generated: list[int], new: list[int], stopped: bool) -> tuple[list[int], bool]:
+        if not self.stops:
+            return new, stopped
+        tail = generated[-self.window :]
+        for i in range(len(new)):  # only with stop strings: a text check per committed token
+            text = self.tok.decode(tail + new[: i + 1], skip_special_tokens=False)
+            if any(text.endswith(s) for s in self.stops):
+                return new[: i + 1], True
+        return new, stopped
+
+
+def _round_seeds(params: DecodeParams) -> tuple[int | None, int | None]:
+    if not params.sampling.do_sample:
+        return None, None
+    s = torch.randint(0, _SEED_HIGH, (2,), generator=params.generator).tolist()
+    return int(s[0]), int(s[1])
+
+
+def decode(
+    transport: Transport,
+    prompt: list[int],
+    params: DecodeParams,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    session_id: str | None = None,
+) -> tuple[list[int], SpecStats]:
+    """Generate up to ``params.max_new_tokens`` tokens after ``prompt``.
+
+    Returns:
+        ``(new token ids, stats)``; the session is ended on both sides before returning.
+    """
+    if not prompt:
+        raise ValueError("the prompt must contain at least one token")
+    sid = session_id or uuid.uuid4().hex
+    stats = SpecStats(prompt_tokens=len(prompt))
+    stopper = _StopChecker(params)
+    out: list[int] = []
+    capacity = len(prompt) + params.max_new_tokens + params.tree.max_nodes + 8
+    use_draft = transport.has_draft
+    draft_prefix, draft_new = 0, list(prompt)
+    target_prefix, pending = 0, list(prompt)
+    t_start = time.perf_counter()
+    try:
+        while len(out) < params.max_new_tokens:
+            remaining = params.max_new_tokens - len(out)
+            seed_d, seed_v = _round_seeds(params)
+            t0 = time.perf_counter()
+            tree, dres = TokenTree.empty(), None
+            if use_draft and remaining > 1:
+                req = DraftRequest(
+                    sid, draft_new, draft_prefix, params.tree, params.sampling, seed_d, remaining - 1, capacity
+                )
+                try:
+                    dres = _draft(transport, req, prompt + out, stats)
+                    tree, draft_prefix, draft_new = dres.tree, dres.prefix_length, []
+                except TransportError as e:
+                    logger.warning("draft unreachable (%s); continuing target-only, output is unchanged", e)
+                    use_draft, stats.draft_fallback = False, True
+                if params.after_draft is not None:
+                    params.after_draft()
+            t1 = time.perf_counter()
+            vreq = VerifyRequest(sid, tree, pending, target_prefix, params.sampling, seed_v, capacity)
+            vres = _verify(transport, vreq, prompt + out, stats)
+            t2 = time.perf_counter()
+            new = vres.accepted_token_ids + [vres.next_token_id]
+            kept, stopped = stopper.cut(out, new[:remaining])
+            out.extend(kept)
+            if on_tokens is not None:
+                on_tokens(kept)
+            target_prefix, pending = vres.prefix_length, [vres.next_token_id]
+            draft_new = draft_new + new
+            t3 = time.perf_counter()
+            server = (dres.stats.wall_time_s if dres else 0.0) + vres.stats.wall_time_s
+            stats.rounds.append(
+                RoundStats(
+                    accepted=len(vres.accepted_token_ids),
+                    committed=len(kept),
+                    drafted_depth=vres.num_drafted,
+                    tree_nodes=vres.num_nodes,
+                    draft_s=t1 - t0,
+                    verify_s=t2 - t1,
+                    host_s=t3 - t2,
+                    transport_s=max(0.0, (t2 - t0) - server) if dres is not None or not use_draft else 0.0,
+                    draft_model_s=dres.stats.model_time_s if dres else 0.0,
+                    verify_model_s=vres.stats.model_time_s,
+                )
+            )
+            if stopped:
+                break
+    finally:
+        stats.wall_time_s = time.perf_counter() - t_start
+        try:
+            transport.end_session(sid)
+        except Exception as e:  # cleanup must not mask the real error; TTL frees it anyway
+            logger.warning("could not end session %s: %s", sid, e)
+    return out, stats
+
+
+def _draft(transport: Transport, req: DraftRequest, context: list[int], stats: SpecStats) -> DraftResult:
+    try:
+        return transport.draft(req)
+    except (CacheDesyncError, SessionNotFound) as e:
+        logger.info("draft session %s lost (%s); resending the full context", req.session_id, e)
+        stats.recoveries += 1
+        req.new_token_ids, req.prefix_length = list(context), 0
+        return transport.draft(req)
+
+
+def _verify(transport: Transport, req: VerifyRequest, context: list[int], stats: SpecStats) -> VerifyResult:
+    try:
+        return transport.verify(req)
+    except (CacheDesyncError, SessionNotFound) as e:
+        logger.info("target session %s lost (%s); resending the full context", req.session_id, e)
+        stats.recoveries += 1
+        req.pending_token_ids, req.expected_prefix_length = list(context), 0
+        return transport.verify(req)

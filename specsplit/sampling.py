@@ -1,0 +1,86 @@
+"""Logits to probabilities, in ONE place for the draft, the target and the pipeline.
+
+The transforms follow Hugging Face's logits warpers in the same order (temperature, top-k, top-p)
+so that "the target's sampling distribution" means the same thing here as in ``generate()``.
+Sampling uses the exponential-race trick (``argmax(p / E)``, ``E ~ Exp(1)``), which draws from
+``p`` without a host sync; its top-k order is a draw of k tokens without replacement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specsplit.config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits into the sampling distribution.
+
+    Args:
+        logits: `[..., vocab]` raw logits (any float dtype).
+        params: sampling parameters; with ``do_sample=False`` this is a plain softmax.
+
+    Returns:
+        `[..., vocab]` float32 probabilities (rows sum to 1).
+    """
+    x = logits.float()
+    if not params.do_sample:
+        return torch.softmax(x, dim=-1)
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    neg = torch.finfo(x.dtype).min
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, neg)
+    if params.top_p < 1.0:
+        # HF semantics: drop the low tail whose cumulative mass is <= 1 - top_p, keep >= 1 token.
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1.0 - params.top_p)
+        drop_sorted[..., -1] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, neg)
+    return torch.softmax(x, dim=-1)
+
+
+def exponential_noise(shape: torch.Size | tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """`shape` i.i.d. Exp(1) samples (float32), clamped away from 0."""
+    e = torch.empty(shape, dtype=torch.float32, device=device).exponential_(1.0, generator=generator)
+    return e.clamp_min_(1e-20)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of `[..., vocab]` probabilities; returns `[...]` int64 (no host sync)."""
+    return (probs / exponential_noise(probs.shape, probs.device, generator)).argmax(dim=-1)
+
+
+def sample_without_replacement(
+    probs: torch.Tensor, k: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Draw ``k`` tokens per row without replacement, in draw order; `[..., k]` int64.
+
+    Entries drawn beyond a row's support have probability 0; callers detect them through ``probs``.
+    """
+    keys = probs / exponential_noise(probs.shape, probs.device, generator)
+    return torch.topk(keys, k, dim=-1).indices
+
+
+def truncate_top_k(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ``k`` most probable tokens and renormalise.
+
+    Returns:
+        ``(ids [..., k] int64, probs [..., k] float32)``: a sparse, exact distribution.
+    """
+    k = min(k, probs.shape[-1])
+    vals, ids = torch.topk(probs, k, dim=-1)
+    vals = vals / vals.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    return ids, vals
+
+
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator | None:
+    """A generator on ``device`` seeded with ``seed`` (``None`` → global RNG)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g

@@ -1,0 +1,178 @@
+"""Session store shared by both engines: per-session locks, LRU bound, TTL expiry.
+
+The store only tracks objects; freeing a session drops the last reference to its KV cache, and
+an optional ``on_evict`` callback lets an engine return buffers to a pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from specsplit.errors import SessionNotFound
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Entry(Generic[T]):
+    state: T
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionStore(Generic[T]):
+    """Thread-safe ``session_id -> state`` map with LRU eviction and TTL purging.
+
+    Args:
+        max_sessions: live sessions kept; creating one more evicts the least recently used.
+        ttl_s: sessions idle longer than this are removed by :meth:`purge_stale` (and by the
+            background thread started with :meth:`start_purger`).
+        on_evict: called with ``(session_id, state)`` whenever a session leaves the store.
+    """
+
+    def __init__(
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        on_evict: Callable[[str, T], None] | None = None,
+        name: str = "sessions",
+    ):
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._on_evict = on_evict
+        self._name = name
+        self._entries: OrderedDict[str, _Entry[T]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._entries
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def get(self, session_id: str) -> T:
+        """The state of a live session (refreshes its LRU position and idle timer)."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                raise SessionNotFound(f"session {session_id!r} not found (ended, evicted or expired)")
+            entry.last_used = time.monotonic()
+            self._entries.move_to_end(session_id)
+            return entry.state
+
+    def get_or_create(self, session_id: str, factory: Callable[[], T]) -> tuple[T, bool]:
+        """``(state, existed)``; a new session may evict the least recently used one."""
+        evicted: list[tuple[str, T]] = []
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is not None:
+                entry.last_used = time.monotonic()
+                self._entries.move_to_end(session_id)
+                return entry.state, True
+            while len(self._entries) >= self.max_sessions:
+                sid, old = self._entries.popitem(last=False)
+                evicted.append((sid, old.state))
+            state = factory()
+            self._entries[session_id] = _Entry(state)
+        for sid, st in evicted:
+            logger.info("%s: evicted least recently used session %r", self._name, sid)
+            self._evicted(sid, st)
+        return state, False
+
+    def put(self, session_id: str, state: T) -> None:
+        """Replace (or insert) a session's state."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                self._entries[session_id] = _Entry(state)
+            else:
+                entry.state = state
+                entry.last_used = time.monotonic()
+            self._entries.move_to_end(session_id)
+
+    @contextmanager
+    def locked(self, session_id: str) -> Iterator[None]:
+        """Hold the per-session lock (serialises requests of one session, not of different ones)."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+        if entry is None:
+            yield
+            return
+        with entry.lock:
+            yield
+
+    def pop(self, session_id: str) -> bool:
+        """Remove a session; True if it existed."""
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+        if entry is None:
+            return False
+        self._evicted(session_id, entry.state)
+        return True
+
+    def clear(self) -> int:
+        with self._lock:
+            items = list(self._entries.items())
+            self._entries.clear()
+        for sid, e in items:
+            self._evicted(sid, e.state)
+        return len(items)
+
+    def purge_stale(self, ttl_s: float | None = None) -> int:
+        """Remove sessions idle for more than ``ttl_s`` (default: the store's TTL)."""
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        now = time.monotonic()
+        with self._lock:
+            stale = [(sid, e) for sid, e in self._entries.items() if now - e.last_used > ttl]
+            for sid, _ in stale:
+                del self._entries[sid]
+        for sid, e in stale:
+            logger.info("%s: session %r expired after %.0fs idle", self._name, sid, ttl)
+            self._evicted(sid, e.state)
+        return len(stale)
+
+    def _evicted(self, sid: str, state: T) -> None:
+        if self._on_evict is not None:
+            try:
+                self._on_evict(sid, state)
+            except Exception:  # an eviction hook must never break the caller
+                logger.exception("%s: on_evict failed for %r", self._name, sid)
+
+    # ------------------------------------------------------------------ background purge
+    def start_purger(self, interval_s: float | None = None) -> None:
+        """Start a daemon thread that purges expired sessions every ``interval_s``."""
+        if self._thread is not None:
+            return
+        interval = interval_s if interval_s is not None else max(0.05, min(self.ttl_s / 4, 60.0))
+        self._stop.clear()
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                self.purge_stale()
+
+        self._thread = threading.Thread(target=run, name=f"{self._name}-purger", daemon=True)
+        self._thread.start()
+
+    def stop_purger(self) -> None:
+        """Stop the purge thread and wait for it (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,265 @@
+"""TargetEngine: per-session static KV caches and ONE-forward tree verification.
+
+A round: check the caller's ``expected_prefix_length`` against the session cache, run one forward
+over ``pending + tree`` with an additive tree mask (positions ``prefix + depth``), verify greedily
+or by recursive rejection sampling, read the outcome with one host copy, and keep the KV of the
+accepted path (a copy of the accepted tree positions only, none at all for a chain).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.config import SamplingParams, TargetConfig
+from specsplit.engine_common import (
+    PROTOCOL_VERSION,
+    ModelRunner,
+    check_capacity,
+    make_store,
+    sync_device,
+)
+from specsplit.errors import CacheDesyncError, InvalidRequest, SessionNotFound
+from specsplit.kv_cache import StaticKVCache
+from specsplit.sampling import logits_to_probs, make_generator
+from specsplit.transport import VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
+from specsplit.tree import TokenTree
+from specsplit.tree_attention import build_verify_attention
+from specsplit.verification import verify_greedy, verify_stochastic
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCacheState:
+    """A target session: the cache and, when known, the logits after its last token."""
+
+    cache: StaticKVCache
+    next_root_logit: torch.Tensor | None = None  # [vocab]
+
+    @property
+    def seq_len(self) -> int:
+        return self.cache.seq_len
+
+
+class TargetEngine:
+    """The target (verifier) side of speculative decoding.
+
+    Args:
+        model: a loaded HF causal LM (or ``None`` and ``config.model`` + :meth:`load_model`).
+        config: engine settings (placement, limits, sessions).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, config: TargetConfig | None = None):
+        self.config = config or TargetConfig()
+        self.runner = ModelRunner(
+            model, self.config.model, self.config.device, self.config.device_map, self.config.dtype
+        )
+        self._store = make_store(self.config.max_sessions, self.config.session_ttl_s, "target-sessions")
+
+    # ------------------------------------------------------------------ lifecycle
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.runner.is_loaded
+
+    @property
+    def model_vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where trees should be sent (the device of the input embeddings)."""
+        return self.runner.input_device
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._store)
+
+    @property
+    def forward_count(self) -> int:
+        return self.runner.forward_count
+
+    def get_or_create_session(self, session_id: str, capacity: int = 0) -> tuple[KVCacheState, bool]:
+        return self._store.get_or_create(session_id, lambda: KVCacheState(self.runner.new_cache(capacity)))
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._store
+
+    def has_usable_session(self, session_id: str) -> bool:
+        try:
+            return self._store.get(session_id).seq_len > 0
+        except SessionNotFound:
+            return False
+
+    def end_session(self, session_id: str) -> bool:
+        return self._store.pop(session_id)
+
+    def purge_stale_sessions(self, ttl_seconds: float | None = None) -> int:
+        return self._store.purge_stale(ttl_seconds)
+
+    def rollback_cache(self, session_id: str, length: int) -> None:
+        """Truncate a session's cache to ``length`` tokens (O(1))."""
+        state = self._store.get(session_id)
+        with self._store.locked(session_id):
+            state.cache.rollback(length)
+            state.next_root_logit = None
+
+    def shutdown(self) -> None:
+        self._store.stop_purger()
+        self._store.clear()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_type="target",
+            model_name=self.runner.model_name,
+            vocab_size=self.runner.vocab_size if self.is_loaded else 0,
+            dtype=str(self.runner.dtype).replace("torch.", "") if self.is_loaded else "",
+            device=str(self.device) if self.is_loaded else "",
+            protocol_version=PROTOCOL_VERSION,
+            active_sessions=self.active_sessions,
+        )
+
+    # ------------------------------------------------------------------ original-design name
+    def verify_draft_tree(
+        self,
+        session_id: str,
+        tree: TokenTree,
+        pending_token_ids: list[int],
+        expected_prefix_length: int,
+        sampling: SamplingParams | None = None,
+        seed: int | None = None,
+    ) -> VerifyResult:
+        """Keyword form of :meth:`verify`."""
+        return self.verify(
+            VerifyRequest(
+                session_id, tree, list(pending_token_ids), expected_prefix_length, sampling or SamplingParams(), seed
+            )
+        )
+
+    # ------------------------------------------------------------------ main entry
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        """Verify ``req.tree`` below ``req.pending_token_ids`` in one forward.
+
+        Raises:
+            InvalidRequest: bad ids, bad tree, empty pending.
+            SessionNotFound: ``expected_prefix_length > 0`` for an unknown session.
+            CacheDesyncError: ``expected_prefix_length`` disagrees with the cache (nothing changed).
+            ResourceExhausted: the session would outgrow ``max_context``.
+        """
+        t0 = time.perf_counter()
+        self.runner.require()
+        tree = req.tree
+        pending = req.pending_token_ids
+        self.runner.check_token_ids(pending, "pending_token_ids")
+        if not pending:
+            raise InvalidRequest("pending_token_ids must hold at least one token (the last committed one)")
+        if req.expected_prefix_length < 0:
+            raise InvalidRequest(f"expected_prefix_length must be >= 0, got {req.expected_prefix_length}")
+        if tree.device.type == "cpu":  # arrived from outside (gRPC/user): check it fully
+            tree.validate(self.runner.vocab_size, self.config.max_tree_nodes, self.config.max_tree_depth)
+        elif tree.num_nodes > self.config.max_tree_nodes:
+            raise InvalidRequest(f"tree has {tree.num_nodes} nodes; limit is {self.config.max_tree_nodes}")
+        max_branch, max_depth = tree.bounds()
+        n, p = tree.num_nodes, len(pending)
+
+        session_id = req.session_id
+        if self.config.stateless:
+            if req.expected_prefix_length != 0:
+                raise CacheDesyncError(
+                    "stateless target keeps no cache: send the full context with expected_prefix_length=0",
+                    expected=req.expected_prefix_length,
+                    actual=0,
+                )
+            session_id = f"__stateless__{uuid.uuid4().hex}"
+        if req.expected_prefix_length > 0 and session_id not in self._store:
+            raise SessionNotFound(f"target session {session_id!r} not found; resend the full context")
+        check_capacity(req.expected_prefix_length + p + n, self.config.max_context)
+        capacity = max(req.capacity_hint, req.expected_prefix_length + p) + max(n, 1) + 8
+        state, existed = self.get_or_create_session(session_id, capacity)
+        stats = WorkerStats(device=str(self.device))
+        try:
+            with self._store.locked(session_id):
+                cache = state.cache
+                if req.expected_prefix_length == 0:
+                    cache.reset()
+                elif cache.seq_len != req.expected_prefix_length:
+                    raise CacheDesyncError(
+                        f"target session {session_id!r} holds {cache.seq_len} tokens, caller expected "
+                        f"{req.expected_prefix_length}; resend the full context",
+                        expected=req.expected_prefix_length,
+                        actual=cache.seq_len,
+                    )
+                result = self._verify_locked(state, tree, pending, req, max_branch, max_depth, stats)
+        finally:
+            if self.config.stateless:
+                self._store.pop(session_id)
+        stats.wall_time_s = time.perf_counter() - t0
+        result.stats = stats
+        result.cache_hit = existed and req.expected_prefix_length > 0
+        return result
+
+    def _verify_locked(
+        self,
+        state: KVCacheState,
+        tree: TokenTree,
+        pending: list[int],
+        req: VerifyRequest,
+        max_branch: int,
+        max_depth: int,
+        stats: WorkerStats,
+    ) -> VerifyResult:
+        cache = state.cache
+        length = cache.seq_len
+        n, p = tree.num_nodes, len(pending)
+        cache.ensure_capacity(length + p + n)
+        dev = self.device
+        tree = tree.to(dev)
+        pend = torch.tensor(pending, dtype=torch.long).to(dev, non_blocking=True)
+        mask, pos = build_verify_attention(tree.parents, length, p, self.runner.dtype)
+        ids = torch.cat([pend, tree.token_ids])[None]  # [1, P + N]
+        t = time.perf_counter()
+        try:
+            logits = self.runner.forward(ids, pos, mask, cache, logits_to_keep=n + 1)  # [N + 1, V]
+        except Exception:
+            cache.rollback(length)
+            raise
+        tree = tree.to(logits.device)
+        if req.sampling.do_sample:
+            gen = make_generator(logits.device, req.seed)
+            probs = logits_to_probs(logits, req.sampling)
+            outcome = verify_stochastic(probs, tree, max_depth, max_branch, gen)
+        else:
+            outcome = verify_greedy(logits, tree, max_depth, max_branch)
+        nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += p + n
+        stats.forwards += 1
+        m = len(nodes)
+        base = length + p
+        if nodes != list(range(m)):  # a chain's accepted prefix is already in place
+            keep = torch.tensor(nodes, dtype=torch.long) + base
+            cache.compact(keep, base)
+        else:
+            cache.rollback(base + m)
+        state.next_root_logit = None
+        return VerifyResult(
+            accepted_token_ids=tokens,
+            next_token_id=next_token,
+            accepted_node_indices=nodes,
+            prefix_length=base + m,
+            num_drafted=max_depth,
+            num_nodes=n,
+        )
+
+    def synchronize(self) -> None:
+        sync_device(self.device)
+
+    def __repr__(self) -> str:
+        return f"TargetEngine(model={self.runner.model_name!r}, sessions={self.active_sessions})"

@@ -1,0 +1,166 @@
+"""The Transport protocol and the messages that cross it.
+
+A transport only moves these dataclasses between the orchestrator (``pipeline``) and the two
+engines; ``LocalTransport`` calls the engines in-process, ``GrpcTransport`` sends the same
+messages to remote workers. Nothing above this module knows which one is in use.
+
+Round protocol (see DESIGN.md):
+
+1. ``draft(DraftRequest)``: the draft session ingests ``new_token_ids`` (the committed tokens it
+   has not seen; ``prefix_length`` says how many it must already hold, 0 = start over with the full
+   context) and grows a :class:`~specsplit.tree.TokenTree`.
+2. ``verify(VerifyRequest)``: the target runs ONE forward over ``pending_token_ids + tree``,
+   verifies, keeps the KV of the accepted path and returns the accepted tokens plus one target
+   token (the correction or bonus token), which becomes the next round's pending token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from specsplit.config import SamplingParams, TreeConfig
+from specsplit.tree import TokenTree
+
+
+@dataclass
+class WorkerStats:
+    """Telemetry every engine response carries (also over gRPC)."""
+
+    wall_time_s: float = 0.0  # whole request inside the engine
+    model_time_s: float = 0.0  # model forwards only
+    tokens_processed: int = 0  # tokens fed through the model
+    forwards: int = 0  # model forward calls
+    device: str = ""
+
+
+@dataclass
+class DraftRequest:
+    """Ask the draft side for a tree.
+
+    Attributes:
+        session_id: conversation key; the draft keeps a KV cache per session.
+        new_token_ids: committed tokens the draft has not ingested yet.
+        prefix_length: how many tokens the draft session must already hold; 0 means
+            ``new_token_ids`` is the full context (the engine still reuses a matching cached prefix).
+        tree: shape of the tree to grow.
+        sampling: sampling parameters (shared with the target).
+        seed: seed for this round's draft randomness (sampling only).
+        max_depth: cap on the tree depth this round (used near ``max_new_tokens``); ``None`` = shape's own.
+        capacity_hint: total tokens the session may reach (sizes the cache once).
+    """
+
+    session_id: str
+    new_token_ids: list[int]
+    prefix_length: int
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    max_depth: int | None = None
+    capacity_hint: int = 0
+
+
+@dataclass
+class DraftResult:
+    """A drafted tree and what the draft's cache holds after ingesting the new tokens."""
+
+    tree: TokenTree
+    prefix_length: int
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    cache_hit: bool = False  # the session (or a matching prefix) was reused
+
+
+@dataclass
+class VerifyRequest:
+    """Ask the target to verify a tree.
+
+    Attributes:
+        session_id: conversation key; the target keeps a KV cache per session.
+        tree: the draft tree (may be empty: then this is a plain target decode step).
+        pending_token_ids: committed tokens whose target KV does not exist yet (the whole prompt
+            on the first round, then last round's correction/bonus token).
+        expected_prefix_length: tokens the caller believes the target has cached; a mismatch
+            raises ``CacheDesyncError`` (recover by resending the full context with 0).
+        sampling: sampling parameters; ``do_sample=False`` = greedy verification.
+        seed: seed for this round's verification randomness.
+        capacity_hint: total tokens the session may reach (sizes the cache once).
+    """
+
+    session_id: str
+    tree: TokenTree
+    pending_token_ids: list[int]
+    expected_prefix_length: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    capacity_hint: int = 0
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification round.
+
+    Attributes:
+        accepted_token_ids: drafted tokens the target accepted, root to leaf.
+        next_token_id: the target's own token after them (correction or bonus).
+        accepted_node_indices: tree indices of the accepted nodes.
+        prefix_length: target cache length afterwards (``next_token_id`` is not in it yet).
+        num_drafted: length of the longest drafted path (depth of the tree).
+        num_nodes: nodes in the verified tree.
+    """
+
+    accepted_token_ids: list[int]
+    next_token_id: int
+    accepted_node_indices: list[int]
+    prefix_length: int
+    num_drafted: int
+    num_nodes: int
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    cache_hit: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted tokens over the deepest drafted path (1.0 when nothing was drafted)."""
+        return len(self.accepted_token_ids) / self.num_drafted if self.num_drafted else 1.0
+
+
+# Name from the original design documents.
+VerificationResult = VerifyResult
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker says about itself (``Ping``)."""
+
+    worker_type: str  # "draft" | "target"
+    model_name: str
+    vocab_size: int
+    dtype: str
+    device: str
+    protocol_version: str
+    active_sessions: int
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves requests to the engines. Implementations: ``LocalTransport``, ``GrpcTransport``."""
+
+    @property
+    def has_draft(self) -> bool:
+        """False when no draft is reachable; the pipeline then decodes target-only."""
+        ...
+
+    def draft(self, request: DraftRequest) -> DraftResult: ...
+
+    def verify(self, request: VerifyRequest) -> VerifyResult: ...
+
+    def end_session(self, session_id: str) -> None:
+        """Free the session on both sides (idempotent, never raises for unknown ids)."""
+        ...
+
+    def info(self) -> dict[str, WorkerInfo]:
+        """``{"draft": ..., "target": ...}`` (draft omitted when there is none)."""
+        ...
+
+    def close(self) -> None:
+        """Release resources (idempotent)."""
+        ...

@@ -1,0 +1,173 @@
+"""Tree verification: greedy and lossless stochastic, as pure tensor functions on device.
+
+Vocabulary (after vLLM's rejection sampler):
+
+- *row*: ``0`` is the committed context (the tree's virtual root); row ``i + 1`` is tree node ``i``.
+  ``p[row]`` is the target distribution for the children of that row.
+- *accepted*: drafted tokens on the path the target agrees with, root to leaf.
+- *recovered / correction token*: drawn from the residual where every child of the last accepted
+  row was rejected; *bonus token*: drawn from ``p`` at an accepted leaf. Either way exactly one
+  target token follows the accepted ones (``next_token``).
+
+Stochastic verification is recursive rejection sampling: at a row, the children are tried in
+sibling order; child ``c`` drawn from ``q_c`` is accepted with probability
+``min(1, p_res(c) / q_c(c))``; on rejection ``p_res <- norm(relu(p_res - q_c))``. The output is
+distributed exactly as ``p`` for any tree shape as long as ``q_c`` is exactly the distribution the
+sibling was drawn from (one-hot for deterministic expansions). All rows are processed in parallel
+(one vectorised step per sibling rank), then the accepted path is followed from the root (one
+step per depth level); nothing here reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.sampling import exponential_noise
+from specsplit.tree import TokenTree
+
+
+@dataclass
+class VerifyOutcome:
+    """Device-resident result; read it with :meth:`to_host` (the round's one host sync)."""
+
+    path: torch.Tensor  # [D] int64 accepted node indices, -1 padded
+    num_accepted: torch.Tensor  # [] int64
+    next_token: torch.Tensor  # [] int64
+
+    def to_host(self, token_ids: torch.Tensor) -> tuple[list[int], list[int], int]:
+        """``(accepted node indices, accepted token ids, next token id)`` in ONE device-to-host copy.
+
+        Args:
+            token_ids: `[N]` the tree's tokens (to return the accepted ones without a second sync).
+        """
+        d = self.path.shape[0]
+        toks = token_ids[self.path.clamp_min(0)] if token_ids.numel() else self.path
+        packed = torch.cat(
+            [self.num_accepted.view(1), self.next_token.view(1), self.path, toks.to(self.path.device)]
+        ).tolist()
+        m, nxt = int(packed[0]), int(packed[1])
+        return packed[2 : 2 + m], packed[2 + d : 2 + d + m], nxt
+
+
+def children_table(parents: torch.Tensor, max_branch: int) -> torch.Tensor:
+    """`[N + 1, max_branch]` node index of the r-th child of each row (-1 where none).
+
+    Sibling order is BFS index order.
+    """
+    n = parents.shape[0]
+    dev = parents.device
+    table = torch.full((n + 1, max(max_branch, 1)), -1, dtype=torch.long, device=dev)
+    if n == 0:
+        return table
+    row = parents + 1  # [N]
+    idx = torch.arange(n, device=dev)
+    same = (row[:, None] == row[None, :]) & (idx[None, :] < idx[:, None])  # [N, N]
+    rank = same.sum(-1)  # [N]
+    keep = rank < table.shape[1]
+    table[row[keep], rank[keep]] = idx[keep]
+    return table
+
+
+def _follow_path(accepted_child: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk ``accepted_child`` (`[N + 1]` node index or -1) from row 0.
+
+    Returns ``(path [D], num_accepted [], last_row [])``.
+    """
+    dev = accepted_child.device
+    path = torch.full((max(max_depth, 0),), -1, dtype=torch.long, device=dev)
+    row = torch.zeros((), dtype=torch.long, device=dev)
+    count = torch.zeros((), dtype=torch.long, device=dev)
+    for d in range(max_depth):
+        child = accepted_child[row]
+        ok = child >= 0
+        path[d] = torch.where(ok, child, path[d])
+        count = count + ok.long()
+        row = torch.where(ok, child + 1, row)
+    return path, count, row
+
+
+def verify_greedy(target_logits: torch.Tensor, tree: TokenTree, max_depth: int, max_branch: int) -> VerifyOutcome:
+    """Longest path whose every token equals the target's argmax, then the target's next token.
+
+    Args:
+        target_logits: `[N + 1, vocab]` logits for row 0 (context) and each node.
+        tree: the verified tree (same device).
+        max_depth: upper bound on the tree depth (host int).
+        max_branch: upper bound on children per row (host int).
+    """
+    argmax = target_logits.argmax(dim=-1)  # [N + 1]
+    n = tree.num_nodes
+    accepted_child = torch.full((n + 1,), -1, dtype=torch.long, device=argmax.device)
+    if n:
+        match = tree.token_ids == argmax[tree.parents + 1]  # [N]
+        if tree.q_probs is not None:  # padding nodes (never drawn) cannot be accepted
+            match &= tree.q_probs.sum(-1) > 0
+        cand = torch.where(match, torch.arange(n, device=argmax.device), n)
+        first = torch.full((n + 1,), n, dtype=torch.long, device=argmax.device)
+        first = first.scatter_reduce(0, tree.parents + 1, cand, reduce="amin")
+        accepted_child = torch.where(first < n, first, -1)
+    path, count, row = _follow_path(accepted_child, max_depth)
+    return VerifyOutcome(path, count, argmax[row])
+
+
+def _dense_q(tree: TokenTree, nodes: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[R, vocab]` dense q of ``nodes`` (`[R]`, -1 = none → zero row)."""
+    dev = nodes.device
+    out = torch.zeros(nodes.shape[0], vocab, dtype=torch.float32, device=dev)
+    safe = nodes.clamp_min(0)
+    valid = (nodes >= 0).float()[:, None]
+    if tree.q_ids is None or tree.q_probs is None:
+        out.scatter_(1, tree.token_ids[safe][:, None], valid)
+    else:
+        out.scatter_add_(1, tree.q_ids[safe], tree.q_probs[safe].float() * valid)
+    return out
+
+
+def verify_stochastic(
+    target_probs: torch.Tensor,
+    tree: TokenTree,
+    max_depth: int,
+    max_branch: int,
+    generator: torch.Generator | None,
+) -> VerifyOutcome:
+    """Lossless recursive rejection sampling over any tree (see the module docstring).
+
+    Args:
+        target_probs: `[N + 1, vocab]` float32 target sampling distributions (after temperature,
+            top-k, top-p) for row 0 and each node.
+        tree: the verified tree; ``q`` one-hot when ``tree.q_ids`` is None.
+        max_depth / max_branch: host-side bounds on depth and children per row.
+        generator: RNG for the acceptance tests and the final draw.
+    """
+    p_res = target_probs.float().clone()  # [N + 1, V]
+    rows, vocab = p_res.shape
+    dev = p_res.device
+    n = tree.num_nodes
+    accepted_child = torch.full((rows,), -1, dtype=torch.long, device=dev)
+    if n:
+        table = children_table(tree.parents, max_branch)  # [N + 1, B]
+        u = torch.rand(table.shape[1], rows, generator=generator, device=dev)  # [B, N + 1]
+        decided = torch.zeros(rows, dtype=torch.bool, device=dev)
+        for r in range(table.shape[1]):
+            child = table[:, r]  # [N + 1]
+            live = (child >= 0) & ~decided
+            tok = tree.token_ids[child.clamp_min(0)]  # [N + 1]
+            q = _dense_q(tree, torch.where(live, child, -1), vocab)  # [N + 1, V]
+            p_tok = p_res.gather(1, tok[:, None]).squeeze(1)
+            q_tok = q.gather(1, tok[:, None]).squeeze(1)
+            accept = live & (q_tok > 0) & (u[r] * q_tok < p_tok)
+            accepted_child = torch.where(accept, child, accepted_child)
+            decided |= accept
+            reject = live & ~accept
+            resid = (p_res - q).clamp_min_(0)
+            mass = resid.sum(-1, keepdim=True)
+            # mass == 0 only when p_res <= q everywhere, where rejection has probability 0.
+            upd = reject[:, None] & (mass > 0)
+            p_res = torch.where(upd, resid / mass.clamp_min(1e-30), p_res)
+    path, count, row = _follow_path(accepted_child, max_depth)
+    final = p_res[row]  # [V]
+    e = exponential_noise((vocab,), dev, generator)
+    next_token = (final / e).argmax()
+    return VerifyOutcome(path, count, next_token)
