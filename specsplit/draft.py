@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+
 import torch
 
 from specsplit.config import DraftConfig, SamplingParams, TreeConfig
@@ -158,7 +159,7 @@ class DraftEngine:
                     f"({req.tree.static_plan().max_branch}); raise q_top_k"
                 )
         stats = WorkerStats(device=str(self.device))
-        capacity = max(req.capacity_hint, req.prefix_length + len(req.new_token_ids)) + req.tree.max_nodes + 8
+        capacity = max(req.capacity_hint, req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes + 8)
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
         state, existed = self._store.get_or_create(
@@ -305,7 +306,7 @@ class DraftEngine:
         q_ids = torch.zeros(n, kq, dtype=torch.long, device=dev) if sampling.do_sample else None
         q_probs = torch.zeros(n, kq, dtype=torch.float32, device=dev) if sampling.do_sample else None
         parent_logits = root_logits[None]  # [P, V]
-        for d, (local, rank, idx, start, end, kmax) in enumerate(pt.levels):
+        for d, (local, rank, _idx, start, end, kmax) in enumerate(pt.levels):
             probs = logits_to_probs(parent_logits, sampling)  # [P, V]
             if q_ids is None or q_probs is None:
                 vals, ids = torch.topk(probs, kmax, dim=-1)  # deterministic top-k expansion

@@ -181,7 +181,7 @@ class TargetEngine:
         if req.expected_prefix_length > 0 and session_id not in self._store:
             raise SessionNotFound(f"target session {session_id!r} not found; resend the full context")
         check_capacity(req.expected_prefix_length + p + n, self.config.max_context)
-        capacity = max(req.capacity_hint, req.expected_prefix_length + p) + max(n, 1) + 8
+        capacity = max(req.capacity_hint, req.expected_prefix_length + p + n + 8)
         state, existed = self.get_or_create_session(session_id, capacity)
         stats = WorkerStats(device=str(self.device))
         try:

@@ -1,0 +1,97 @@
+"""Fixtures: tiny seeded random Llama/Qwen2 models built from configs, and a word-level tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 256
+EOS = 2
+
+
+def tiny_llama(seed: int, layers: int = 2, vocab: int = VOCAB, hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(seed: int, layers: int = 2, vocab: int = VOCAB, hidden: int = 64) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
+    """Scale the LM head so the random model has peaked (less tie-prone) next-token distributions."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(factor)
+    return model
+
+
+@pytest.fixture(scope="session")
+def llama_target() -> LlamaForCausalLM:
+    return sharpen(tiny_llama(0))
+
+
+@pytest.fixture(scope="session")
+def llama_draft_random() -> LlamaForCausalLM:
+    return sharpen(tiny_llama(1, layers=1))
+
+
+@pytest.fixture(scope="session")
+def qwen_target() -> Qwen2ForCausalLM:
+    return sharpen(tiny_qwen2(10))
+
+
+@pytest.fixture(scope="session")
+def qwen_draft_random() -> Qwen2ForCausalLM:
+    return sharpen(tiny_qwen2(11, layers=1))
+
+
+def word(i: int) -> str:
+    """The word of token ``i`` (letters only: ``xaa``, ``xab``, ...)."""
+    return "x" + chr(97 + i // 26 % 26) + chr(97 + i % 26)
+
+
+def word_tokenizer(vocab: int = VOCAB):
+    """A word-level fast tokenizer, one word per token id (0 pad, 1 bos, 2 eos, 3 unk)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({word(i): i for i in range(vocab)}, unk_token=word(3)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=word(0), bos_token=word(1), eos_token=word(2), unk_token=word(3)
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return word_tokenizer()

@@ -1,0 +1,158 @@
+"""Greedy exactness against HF generate() (float32, tiny random Llama and Qwen2) and the HF-style API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, TextIteratorStreamer
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+from specsplit.errors import ConfigError
+
+SHAPES = [
+    TreeConfig(shape="chain", num_draft_tokens=4),
+    TreeConfig(shape="static"),
+    TreeConfig(shape="dynamic", topk=3, width=3, budget=12, max_depth=5),
+]
+PROMPTS = [[5, 17, 33, 81, 9, 100], [7, 7, 12], [44, 3, 19, 250, 61, 62, 63, 64, 9]]
+
+
+def _batch(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def _hf(model, ids, mask, n):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+@pytest.mark.parametrize("tree", SHAPES, ids=lambda t: t.shape)
+@pytest.mark.parametrize("draft_kind", ["same", "random"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_hf_generate(request, family, tree, draft_kind, batch):
+    target = request.getfixturevalue(f"{family}_target")
+    draft = target if draft_kind == "same" else request.getfixturevalue(f"{family}_draft_random")
+    ids, mask = _batch(PROMPTS[:batch])
+    ref = _hf(target, ids, mask, 40)
+    with SpecSplitGenerator(target, draft, config=SpecSplitConfig(tree=tree)) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=40, return_dict_in_generate=True)
+    assert out.sequences.shape == ref.shape
+    assert torch.equal(out.sequences, ref)
+    stats = out.spec_stats
+    if draft_kind == "same":  # everything drafted is accepted
+        assert stats.acceptance_rate > 0.95 or tree.shape == "dynamic"
+        assert stats.tau > 2.0
+    else:  # an unrelated draft: almost nothing accepted, output still exact
+        assert stats.acceptance_rate < 0.3
+
+
+def test_same_draft_accepts_full_chain(llama_target):
+    ids = torch.tensor([PROMPTS[0]])
+    with SpecSplitGenerator(llama_target, llama_target, config=SpecSplitConfig()) as gen:
+        out = gen.generate(ids, max_new_tokens=41, return_dict_in_generate=True)
+    # 41 = 8 rounds of (4 accepted + 1) + 1: every drafted token accepted, last round capped.
+    assert out.spec_stats.accepted_counts()[:8] == [4] * 8
+    assert out.spec_stats.per_position_acceptance() == [1.0] * 4
+
+
+def test_target_only_without_draft(llama_target):
+    ids = torch.tensor([PROMPTS[1]])
+    ref = _hf(llama_target, ids, None, 25)
+    with SpecSplitGenerator(llama_target, None) as gen:
+        assert torch.equal(gen.generate(ids, max_new_tokens=25), ref)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 13])
+def test_max_new_tokens_never_overshoots(llama_target, n):
+    ids = torch.tensor([PROMPTS[0]])
+    with SpecSplitGenerator(llama_target, llama_target, config=SpecSplitConfig(tree=TreeConfig(shape="static"))) as gen:
+        out = gen.generate(ids, max_new_tokens=n)
+    assert out.shape == (1, len(PROMPTS[0]) + n)
+    assert torch.equal(out, _hf(llama_target, ids, None, n))
+
+
+def test_eos_stops_and_pads_like_hf(llama_target):
+    ids, mask = _batch(PROMPTS)
+    ref = _hf(llama_target, ids, mask, 30)
+    # Pick as EOS a token that appears early in one row's greedy continuation.
+    eos = int(ref[1, ids.shape[1] + 3])
+    ref_eos = llama_target.generate(
+        ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    with SpecSplitGenerator(llama_target, llama_target) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out, ref_eos)
+    start = ids.shape[1]
+    assert int(out[1, start + 3]) == eos and (out[1, start + 4 :] == 0).all()  # stopped, padded
+
+
+def test_several_eos_ids(llama_target):
+    ids = torch.tensor([PROMPTS[2]])
+    ref = _hf(llama_target, ids, None, 30)[0, ids.shape[1] :].tolist()
+    eos_ids = [ref[9], ref[5]]
+    with SpecSplitGenerator(llama_target, llama_target) as gen:
+        out = gen.generate(ids, max_new_tokens=30, eos_token_id=eos_ids)
+    new = out[0, ids.shape[1] :].tolist()
+    first = min(ref.index(e) for e in eos_ids)
+    assert new == ref[: first + 1]
+
+
+def test_generation_config_object_and_kwargs_override(llama_target):
+    ids = torch.tensor([PROMPTS[0]])
+    ref = _hf(llama_target, ids, None, 12)
+    with SpecSplitGenerator(llama_target, llama_target) as gen:
+        out = gen.generate(ids, generation_config=GenerationConfig(max_new_tokens=7, do_sample=False))
+        assert out.shape[1] == ids.shape[1] + 7
+        out2 = gen.generate(ids, generation_config=GenerationConfig(max_new_tokens=7), max_new_tokens=12)
+        assert torch.equal(out2, ref)
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            gen.generate(ids, max_new_tokens=3, not_a_generate_arg=1)
+        with pytest.raises(ConfigError, match="num_beams"):
+            gen.generate(ids, max_new_tokens=3, num_beams=4)
+
+
+def test_streamer_receives_all_new_text(llama_target, tokenizer):
+    ids = torch.tensor([PROMPTS[0]])
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    with SpecSplitGenerator(llama_target, llama_target, tokenizer=tokenizer) as gen:
+        out = gen.generate(ids, max_new_tokens=20, streamer=streamer)
+    text = "".join(streamer).strip()
+    assert text == tokenizer.decode(out[0, ids.shape[1] :].tolist()).strip()
+    assert len(text.split()) == 20
+
+
+def test_stop_strings(llama_target, tokenizer):
+    ids = torch.tensor([PROMPTS[0]])
+    with SpecSplitGenerator(llama_target, llama_target, tokenizer=tokenizer) as gen:
+        full = gen.generate(ids, max_new_tokens=30)[0, ids.shape[1] :].tolist()
+        stop_word = tokenizer.decode([full[6]])
+        out = gen.generate(ids, max_new_tokens=30, stop_strings=[stop_word])
+    new = out[0, ids.shape[1] :].tolist()
+    assert new == full[: full.index(full[6]) + 1]
+
+
+def test_generate_text_chat_template(llama_target, tokenizer):
+    tok = tokenizer
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    with SpecSplitGenerator(llama_target, llama_target, tokenizer=tok) as gen:
+        text, stats = gen.generate_text("xaf xar xbh", chat=True, max_new_tokens=10, return_stats=True)
+        plain = gen.generate_text("xaf xar xbh", max_new_tokens=10)
+    assert len(text.split()) <= 10 and stats.new_tokens == 10
+    assert text == plain
+
+
+def test_return_dict_stats_are_consistent(llama_target, llama_draft_random):
+    ids, mask = _batch(PROMPTS)
+    with SpecSplitGenerator(llama_target, llama_draft_random, config=SpecSplitConfig(tree=TreeConfig(shape="static"))) as gen:
+        res = gen.generate(ids, attention_mask=mask, max_new_tokens=15, return_dict_in_generate=True)
+    assert len(res.per_sequence_stats) == 3
+    assert res.spec_stats.new_tokens == sum(s.new_tokens for s in res.per_sequence_stats) == 45
+    summary = res.spec_stats.summary()
+    assert summary["rounds"] == len(res.spec_stats.rounds)
+    assert summary["tau"] >= 1.0
