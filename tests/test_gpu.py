@@ -1,0 +1,62 @@
+"""GPU checks (skipped without CUDA): greedy exactness with the draft and target on different
+devices, and with the target spread by an accelerate device map. Marked ``large``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+from specsplit.config import DraftConfig, TargetConfig
+
+pytestmark = [
+    pytest.mark.large,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+PROMPTS = [[5, 17, 33, 81, 9, 100], [7, 7, 12], [44, 3, 19, 250, 61, 62, 63, 64, 9]]
+
+
+def _devices() -> tuple[str, str]:
+    n = torch.cuda.device_count()
+    return ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0")
+
+
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+def test_two_device_greedy_exactness(llama_target, llama_draft_random, shape):
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape=shape), draft=DraftConfig(device=ddev, dtype="float32"),
+        target=TargetConfig(device=tdev, dtype="float32"),
+    )  # fmt: skip
+    ids = torch.tensor([PROMPTS[0]])
+    ref = target.generate(ids.to(tdev), max_new_tokens=40, do_sample=False).cpu()
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        out = gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+
+
+@pytest.mark.parametrize("kind", ["auto", "split"])
+def test_device_map_target(tmp_path, llama_target, kind):
+    from transformers import AutoModelForCausalLM
+
+    llama_target.save_pretrained(tmp_path / "t")
+    last = torch.cuda.device_count() - 1
+    device_map = "auto" if kind == "auto" else {
+        "model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+        "model.layers.1": last, "model.norm": last, "lm_head": last,
+    }  # fmt: skip
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "t", device_map=device_map, dtype=torch.float32)
+    ddev, _ = _devices()
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "t", dtype=torch.float32).to(ddev)
+    ids = torch.tensor([PROMPTS[2]])
+    ref = llama_target.generate(ids, max_new_tokens=30, do_sample=False)
+    cfg = SpecSplitConfig(tree=TreeConfig(shape="static"), draft=DraftConfig(device=ddev))
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        out = gen.generate(ids, max_new_tokens=30, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.spec_stats.acceptance_rate > 0.9  # draft == target
