@@ -1,0 +1,103 @@
+"""sampling.py against HF's logits warpers, and verification on hand-built cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specsplit import TokenTree
+from specsplit.config import SamplingParams
+from specsplit.sampling import logits_to_probs, sample, sample_without_replacement, truncate_top_k
+from specsplit.verification import children_table, verify_greedy, verify_stochastic
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)])
+def test_logits_to_probs_matches_hf_warpers(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    ref = torch.softmax(procs(None, logits.clone()), dim=-1)
+    ours = logits_to_probs(logits, SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p))
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_sampling_helpers():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(4000, 4)
+    draws = sample(probs, g)
+    assert set(draws.tolist()) == {1, 3}
+    assert abs((draws == 1).float().mean().item() - 0.5) < 0.05
+    order = sample_without_replacement(torch.tensor([[0.1, 0.6, 0.3]]), 3, g)
+    assert sorted(order[0].tolist()) == [0, 1, 2]
+    ids, vals = truncate_top_k(torch.tensor([[0.1, 0.6, 0.3]]), 2)
+    assert ids.tolist() == [[1, 2]] and torch.allclose(vals, torch.tensor([[2 / 3, 1 / 3]]))
+
+
+def _tree(tokens, parents, q_ids=None, q_probs=None):
+    par = torch.tensor(parents)
+    dep = torch.ones(len(parents), dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            dep[i] = dep[p] + 1
+    return TokenTree(torch.tensor(tokens), par, dep, torch.zeros(len(tokens)), q_ids, q_probs)
+
+
+def _onehot_logits(argmaxes, vocab=10):
+    x = torch.zeros(len(argmaxes), vocab)
+    x[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return x
+
+
+def test_children_table():
+    t = children_table(torch.tensor([-1, -1, 0, 0, 0, 1]), 3)
+    assert t.tolist() == [[0, 1, -1], [2, 3, 4], [5, -1, -1]] + [[-1, -1, -1]] * 4
+
+
+def test_greedy_picks_the_longest_matching_path():
+    # rows: 0=context, 1..6 = nodes 0..5
+    tree = _tree([3, 4, 7, 8, 9, 1], [-1, -1, 0, 1, 1, 4])
+    # target argmax: context->4 (node 1), node1 ->9 (node 4), node4 -> 1 (node 5), node5 -> 6
+    logits = _onehot_logits([4, 0, 9, 0, 0, 1, 6])  # row r = node r - 1
+    nodes, toks, nxt = verify_greedy(logits, tree, 3, 2).to_host(tree.token_ids)
+    assert nodes == [1, 4, 5] and toks == [4, 9, 1] and nxt == 6
+
+
+def test_greedy_correction_when_nothing_matches():
+    tree = _tree([3, 4], [-1, 0])
+    nodes, toks, nxt = verify_greedy(_onehot_logits([5, 0, 0]), tree, 2, 1).to_host(tree.token_ids)
+    assert nodes == [] and toks == [] and nxt == 5
+
+
+def test_stochastic_accepts_everything_when_q_equals_p():
+    vocab = 6
+    p = torch.softmax(torch.randn(4, vocab), -1)
+    tree = _tree([2, 3, 1], [-1, 0, 1])
+    # q of node i = the target row of its parent: p/q = 1, so every node is accepted
+    q_ids = torch.arange(vocab).expand(3, vocab).clone()
+    q_probs = torch.stack([p[0], p[1], p[2]])
+    tree.q_ids, tree.q_probs = q_ids, q_probs
+    for seed in range(20):
+        out = verify_stochastic(p, tree, 3, 1, torch.Generator().manual_seed(seed))
+        nodes, _, _ = out.to_host(tree.token_ids)
+        assert nodes == [0, 1, 2]
+
+
+def test_stochastic_never_accepts_zero_probability_or_padding():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.3, 0.3, 0.4]])
+    tree = _tree([0], [-1])  # p(0) = 0 at the context row
+    for seed in range(20):
+        nodes, _, nxt = verify_stochastic(p, tree, 1, 1, torch.Generator().manual_seed(seed)).to_host(tree.token_ids)
+        assert nodes == [] and nxt == 1
+    pad = _tree([1], [-1], torch.tensor([[1, 2]]), torch.tensor([[0.0, 0.0]]))  # never drawn
+    nodes, _, nxt = verify_stochastic(p, pad, 1, 1, torch.Generator().manual_seed(0)).to_host(pad.token_ids)
+    assert nodes == [] and nxt == 1
