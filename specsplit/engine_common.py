@@ -75,8 +75,8 @@ class ModelRunner:
         dtype = resolve_dtype(self._dtype, dev)
         t0 = time.perf_counter()
         self.model = load_model(self.model_name, dtype=dtype, device=dev, device_map=self._device_map)
-        logger.info("loaded %s on %s in %.1fs", self.model_name, self.input_device, time.perf_counter() - t0)
         self._prepare(self.model)
+        logger.info("loaded %s on %s in %.1fs", self.model_name, self.input_device, time.perf_counter() - t0)
 
     def _prepare(self, model: torch.nn.Module) -> None:
         model.eval()

@@ -1,0 +1,41 @@
+"""`specsplit generate` end to end on tiny models saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specsplit.cli import main
+from tests.conftest import word, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, llama_target, llama_draft_random):
+    root = tmp_path_factory.mktemp("models")
+    tok = word_tokenizer()
+    for name, model in (("target", llama_target), ("draft", llama_draft_random)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+def test_generate_cli_json(model_dirs, llama_target, capsys):
+    prompt_ids = [5, 17, 33]
+    prompt = " ".join(word(i) for i in prompt_ids)
+    rc = main([
+        "generate", prompt, "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+        "--raw", "--max-new-tokens", "12", "--tree", "static", "--json", "--device", "cpu",
+    ])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = llama_target.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False)[0, 3:]
+    assert out["text"] == word_tokenizer().decode(ref.tolist(), skip_special_tokens=True)
+    assert out["stats"]["new_tokens"] == 12 and out["stats"]["rounds"] >= 1
+
+
+def test_generate_cli_reports_errors(model_dirs, capsys):
+    rc = main(["generate", "xaa", "--target", str(model_dirs / "nope"), "--draft", str(model_dirs / "draft"), "--raw"])
+    assert rc == 2
+    assert "error" in capsys.readouterr().err
