@@ -116,6 +116,9 @@ class DraftConfig:
             the distribution it drew from is exact and small enough to send sparsely.
         max_sessions: LRU bound on live sessions.
         session_ttl_s: idle sessions older than this are purged.
+        cuda_graphs: run fixed-shape steps (padded ingest, tree levels) over a static workspace
+            cache and replay them from CUDA graphs (on CPU the same static path runs eagerly).
+        graph_capacity: slots of that workspace (the longest session it serves).
     """
 
     model: str | None = None
@@ -124,6 +127,8 @@ class DraftConfig:
     q_top_k: int = 32
     max_sessions: int = 64
     session_ttl_s: float = 600.0
+    cuda_graphs: bool = False
+    graph_capacity: int = 2048
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, "draft")
@@ -145,6 +150,7 @@ class TargetConfig:
         max_tree_nodes / max_tree_depth: largest tree a request may carry.
         max_context: largest prompt + generation a session may grow to.
         stateless: keep no KV between requests (every request must carry the full context).
+        cuda_graphs / graph_capacity: as for :class:`DraftConfig` (the verify step of a fixed tree).
     """
 
     model: str | None = None
@@ -157,6 +163,8 @@ class TargetConfig:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     stateless: bool = False
+    cuda_graphs: bool = False
+    graph_capacity: int = 2048
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, "target")

@@ -22,6 +22,7 @@ from specsplit.engine_common import (
     sync_device,
 )
 from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, SessionNotFound
+from specsplit.graphs import Workspace
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sampling import (
     logits_to_probs,
@@ -43,6 +44,7 @@ class DraftCacheState:
     kv_cache: StaticKVCache
     cached_prompt_ids: list[int]
     cached_last_logits: torch.Tensor | None = None  # [vocab]
+    static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
 
     @property
     def cached_prompt_len(self) -> int:
@@ -67,8 +69,21 @@ class DraftEngine:
     def __init__(self, model: torch.nn.Module | None = None, config: DraftConfig | None = None):
         self.config = config or DraftConfig()
         self.runner = ModelRunner(model, self.config.model, self.config.device, None, self.config.dtype)
-        self._store = make_store(self.config.max_sessions, self.config.session_ttl_s, "draft-sessions")
+        self._store = make_store(
+            self.config.max_sessions, self.config.session_ttl_s, "draft-sessions", self._on_evict
+        )
         self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
+        self._workspace = Workspace(self.runner, self.config.graph_capacity, use_graphs=True)
+
+    def _on_evict(self, session_id: str, state: DraftCacheState) -> None:
+        self._workspace.release(session_id)
+
+    def _new_state(self, session_id: str, capacity: int) -> DraftCacheState:
+        if self.config.cuda_graphs:
+            ws = self._workspace.acquire(session_id, capacity)
+            if ws is not None:
+                return DraftCacheState(ws, [], static=True)
+        return DraftCacheState(self.runner.new_cache(capacity), [])
 
     # ------------------------------------------------------------------ lifecycle
     def load_model(self) -> None:
@@ -162,9 +177,7 @@ class DraftEngine:
         capacity = max(req.capacity_hint, req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes + 8)
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
-        state, existed = self._store.get_or_create(
-            req.session_id, lambda: DraftCacheState(self.runner.new_cache(capacity), [])
-        )
+        state, existed = self._store.get_or_create(req.session_id, lambda: self._new_state(req.session_id, capacity))
         with self._store.locked(req.session_id):
             root_logits, hit = self._ingest(state, req, stats, capacity)
             gen = make_generator(self.device, req.seed) if req.sampling.do_sample else None
@@ -211,13 +224,28 @@ class DraftEngine:
                 return state.cached_last_logits, True
             todo, hit = new, True
         cache = state.kv_cache
-        cache.ensure_capacity(max(capacity, cache.seq_len + len(todo) + req.tree.max_nodes + 8))
         length = cache.seq_len
-        ids = torch.tensor([todo], dtype=torch.long)
-        empty = torch.zeros(0, dtype=torch.long)
-        mask, pos = build_verify_attention(empty, length, len(todo), self.runner.dtype)
+        n_in = req.tree.depth_limit + 1  # the most a round commits: accepted + 1
         t = time.perf_counter()
-        logits = self.runner.forward(ids, pos, mask, cache, logits_to_keep=1)[-1]  # [V]
+        if state.static and len(todo) <= n_in and length + n_in + req.tree.max_nodes <= cache.capacity:
+            # Padded to a fixed size so the step replays one graph; padding rows see only
+            # themselves and write beyond the valid length, where nothing reads them.
+            dev = self.device
+            ids = torch.zeros(n_in, dtype=torch.long)
+            ids[: len(todo)] = torch.tensor(todo, dtype=torch.long)
+            real = torch.arange(n_in) < len(todo)
+            block = torch.ones(n_in, n_in, dtype=torch.bool).tril() & real[None, :]
+            block |= torch.eye(n_in, dtype=torch.bool)
+            pos = torch.arange(length, length + n_in)
+            out = self._workspace.static.run(ids.to(dev), pos.to(dev), length, block.to(dev))
+            logits = out[len(todo) - 1].clone()  # [V]; the graph's buffer is reused
+            cache.set_length(length + len(todo))
+        else:
+            cache.ensure_capacity(max(capacity, length + len(todo) + req.tree.max_nodes + 8))
+            ids = torch.tensor([todo], dtype=torch.long)
+            empty = torch.zeros(0, dtype=torch.long)
+            mask, pos2d = build_verify_attention(empty, length, len(todo), self.runner.dtype)
+            logits = self.runner.forward(ids, pos2d, mask, cache, logits_to_keep=1)[-1]  # [V]
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += len(todo)
         stats.forwards += 1
@@ -273,15 +301,21 @@ class DraftEngine:
         tokens: torch.Tensor,
         allowed: torch.Tensor,
         positions: torch.Tensor,
+        ctx: int,
         stats: WorkerStats,
     ) -> torch.Tensor:
-        """Forward one level of ``W`` nodes. ``allowed``: `[W, n_tree_kv]` bool over tree slots."""
+        """Forward one level of ``W`` nodes below ``ctx`` committed tokens.
+
+        ``allowed``: `[W, n_tree_kv]` bool over the tree slots written so far (this level last).
+        """
         cache = state.kv_cache
-        ctx = cache.seq_len - (allowed.shape[1] - tokens.shape[0])  # committed length
-        full = torch.cat([torch.ones(allowed.shape[0], ctx, dtype=torch.bool, device=allowed.device), allowed], 1)
-        mask = bool_mask_to_float(full[None, None], self.runner.dtype)
         t = time.perf_counter()
-        logits = self.runner.forward(tokens[None], positions[None], mask, cache, logits_to_keep=tokens.shape[0])
+        if state.static:
+            logits = self._workspace.static.run(tokens, positions, ctx, allowed)
+        else:
+            ones = torch.ones(allowed.shape[0], ctx, dtype=torch.bool, device=allowed.device)
+            mask = bool_mask_to_float(torch.cat([ones, allowed], 1)[None, None], self.runner.dtype)
+            logits = self.runner.forward(tokens[None], positions[None], mask, cache, logits_to_keep=tokens.shape[0])
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += tokens.shape[0]
         stats.forwards += 1
@@ -328,7 +362,7 @@ class DraftEngine:
             tokens[start:end] = tok
             if d + 1 < len(pt.levels):
                 positions = torch.full((end - start,), committed + d, dtype=torch.long, device=dev)
-                parent_logits = self._level_forward(state, tok, pt.anc[start:end, :end], positions, stats)
+                parent_logits = self._level_forward(state, tok, pt.anc[start:end, :end], positions, committed, stats)
         depths = torch.tensor(plan.depths, dtype=torch.long, device=dev)
         parents = torch.tensor(plan.parents, dtype=torch.long, device=dev)
         return TokenTree(tokens, parents, depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
@@ -378,7 +412,7 @@ class DraftEngine:
             fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
             n_fw += width
             positions = torch.full((width,), committed + d - 1, dtype=torch.long, device=dev)
-            logits = self._level_forward(state, cat_tok[front], fw_anc[n_fw - width :], positions, stats)
+            logits = self._level_forward(state, cat_tok[front], fw_anc[n_fw - width :], positions, committed, stats)
             probs = logits_to_probs(logits, req.sampling)  # [W, V]
             vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
             lq = vals.clamp_min(1e-30).log()

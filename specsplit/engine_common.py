@@ -151,8 +151,10 @@ def check_capacity(total: int, max_context: int) -> None:
         )
 
 
-def make_store(max_sessions: int, ttl_s: float, name: str) -> SessionStore[Any]:
-    store: SessionStore[Any] = SessionStore(max_sessions, ttl_s, name=name)
+def make_store(
+    max_sessions: int, ttl_s: float, name: str, on_evict: Any = None
+) -> SessionStore[Any]:
+    store: SessionStore[Any] = SessionStore(max_sessions, ttl_s, on_evict=on_evict, name=name)
     store.start_purger()
     return store
 

@@ -30,6 +30,9 @@ class _StaticKVLayer(CacheLayerMixin):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        # Static-shape mode (CUDA graphs): write at these slots, attend over the whole buffer.
+        self.write_pos: torch.Tensor | None = None
+        self.pinned = False  # buffers captured by CUDA graphs must never be reallocated
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -41,6 +44,13 @@ class _StaticKVLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
+        if self.pinned:
+            from specsplit.errors import ResourceExhausted
+
+            raise ResourceExhausted(
+                f"the static workspace holds {self.capacity} tokens and {needed} are needed; "
+                "raise graph_capacity"
+            )
         new_cap = ((needed + GROW_CHUNK - 1) // GROW_CHUNK) * GROW_CHUNK
         assert self.keys is not None and self.values is not None
         logger.debug("growing KV layer from %d to %d slots", self.capacity, new_cap)
@@ -56,6 +66,10 @@ class _StaticKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
+        if self.write_pos is not None:
+            self.keys.index_copy_(2, self.write_pos, key_states)
+            self.values.index_copy_(2, self.write_pos, value_states)
+            return self.keys, self.values
         q = key_states.shape[-2]
         end = self.length + q
         if end > self.capacity:
@@ -128,6 +142,28 @@ class StaticKVCache(Cache):
     @property
     def is_full(self) -> bool:
         return self.seq_len >= self.capacity
+
+    def allocate(
+        self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Allocate every layer's buffers now (static-shape mode needs them before capture)."""
+        for layer in self._static_layers:
+            if not layer.is_initialized:
+                kv = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+                layer.lazy_initialization(kv, kv)
+            layer.pinned = True
+
+    def set_write_positions(self, positions: torch.Tensor | None) -> None:
+        """Switch to static-shape writes at ``positions`` (`[q]` slots) or back (``None``)."""
+        for layer in self._static_layers:
+            layer.write_pos = positions
+
+    def set_length(self, length: int) -> None:
+        """Set the valid length (static-shape forwards do not move it themselves)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} outside [0, {self.capacity}]")
+        for layer in self._static_layers:
+            layer.length = length
 
     def ensure_capacity(self, total: int) -> None:
         """Make room for ``total`` tokens now (one growth instead of several small ones)."""

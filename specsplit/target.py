@@ -24,11 +24,12 @@ from specsplit.engine_common import (
     sync_device,
 )
 from specsplit.errors import CacheDesyncError, InvalidRequest, SessionNotFound
+from specsplit.graphs import Workspace
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sampling import logits_to_probs, make_generator
 from specsplit.transport import VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
 from specsplit.tree import TokenTree
-from specsplit.tree_attention import build_verify_attention
+from specsplit.tree_attention import ancestor_matrix, build_verify_attention
 from specsplit.verification import verify_greedy, verify_stochastic
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class KVCacheState:
 
     cache: StaticKVCache
     next_root_logit: torch.Tensor | None = None  # [vocab]
+    static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
 
     @property
     def seq_len(self) -> int:
@@ -59,7 +61,13 @@ class TargetEngine:
         self.runner = ModelRunner(
             model, self.config.model, self.config.device, self.config.device_map, self.config.dtype
         )
-        self._store = make_store(self.config.max_sessions, self.config.session_ttl_s, "target-sessions")
+        self._store = make_store(
+            self.config.max_sessions, self.config.session_ttl_s, "target-sessions", self._on_evict
+        )
+        self._workspace = Workspace(self.runner, self.config.graph_capacity, use_graphs=True)
+
+    def _on_evict(self, session_id: str, state: KVCacheState) -> None:
+        self._workspace.release(session_id)
 
     # ------------------------------------------------------------------ lifecycle
     def load_model(self) -> None:
@@ -87,7 +95,14 @@ class TargetEngine:
         return self.runner.forward_count
 
     def get_or_create_session(self, session_id: str, capacity: int = 0) -> tuple[KVCacheState, bool]:
-        return self._store.get_or_create(session_id, lambda: KVCacheState(self.runner.new_cache(capacity)))
+        def factory() -> KVCacheState:
+            if self.config.cuda_graphs:
+                ws = self._workspace.acquire(session_id, capacity)
+                if ws is not None:
+                    return KVCacheState(ws, static=True)
+            return KVCacheState(self.runner.new_cache(capacity))
+
+        return self._store.get_or_create(session_id, factory)
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self._store
@@ -222,11 +237,18 @@ class TargetEngine:
         dev = self.device
         tree = tree.to(dev)
         pend = torch.tensor(pending, dtype=torch.long).to(dev, non_blocking=True)
-        mask, pos = build_verify_attention(tree.parents, length, p, self.runner.dtype)
-        ids = torch.cat([pend, tree.token_ids])[None]  # [1, P + N]
+        ids = torch.cat([pend, tree.token_ids])  # [P + N]
         t = time.perf_counter()
         try:
-            logits = self.runner.forward(ids, pos, mask, cache, logits_to_keep=n + 1)  # [N + 1, V]
+            if state.static and p == 1:  # steady state: fixed shape, replayed from a CUDA graph
+                block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=dev)
+                block[:, 0] = True
+                block[1:, 1:] = ancestor_matrix(tree.parents)
+                pos = torch.cat([pend.new_zeros(1), tree.depths]) + length
+                logits = self._workspace.static.run(ids, pos, length, block)  # [N + 1, V]
+            else:
+                mask, pos2d = build_verify_attention(tree.parents, length, p, self.runner.dtype)
+                logits = self.runner.forward(ids[None], pos2d, mask, cache, logits_to_keep=n + 1)
         except Exception:
             cache.rollback(length)
             raise

@@ -1,0 +1,175 @@
+"""Fixed-shape cached forwards over one preallocated workspace cache, replayed from CUDA graphs.
+
+At batch 1 both models are bound by per-kernel launch overhead in eager PyTorch; a forward whose
+shapes never change (the verify step over a fixed tree budget, each draft level, the padded ingest
+of the accepted tokens) can be captured once in a CUDA graph and replayed for every later round and
+session. What makes the shapes static:
+
+- the KV cache is written at positions given by a device tensor (``index_copy_``) and attention
+  reads the whole preallocated buffer, with the additive mask blocking every slot that is not
+  context or an ancestor;
+- inputs, positions, mask and write positions live in static buffers that are refilled in place.
+
+On CPU (or with capture disabled) the same static path runs eagerly; tests compare it with the
+plain eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.engine_common import ModelRunner
+from specsplit.kv_cache import StaticKVCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Buffers:
+    ids: torch.Tensor  # [1, q]
+    pos: torch.Tensor  # [1, q]
+    mask: torch.Tensor  # [1, 1, q, capacity]
+    wpos: torch.Tensor  # [q]
+    logits: torch.Tensor | None = None  # [q, V] (graph output)
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticForward:
+    """Static-shape forwards of one model over a workspace cache of ``capacity`` slots.
+
+    Args:
+        runner: the engine's model runner (a single-device model).
+        capacity: slots in the workspace cache (the longest session it can serve).
+        use_graphs: capture CUDA graphs (only on CUDA devices).
+    """
+
+    def __init__(self, runner: ModelRunner, capacity: int, use_graphs: bool):
+        model = runner.require()
+        self.runner = runner
+        self.capacity = capacity
+        self.device = runner.input_device
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.cache = runner.new_cache(capacity)
+        cfg = getattr(model.config, "text_config", None) or model.config
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        self.cache.allocate(1, kv_heads, head_dim, runner.dtype, self.device)
+        self._bufs: dict[int, _Buffers] = {}
+        self._arange = torch.arange(capacity, device=self.device)
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._neg = torch.finfo(runner.dtype).min
+        self.captures = 0
+
+    def _buffers(self, q: int) -> _Buffers:
+        b = self._bufs.get(q)
+        if b is None:
+            dev = self.device
+            b = _Buffers(
+                ids=torch.zeros(1, q, dtype=torch.long, device=dev),
+                pos=torch.zeros(1, q, dtype=torch.long, device=dev),
+                mask=torch.zeros(1, 1, q, self.capacity, dtype=self.runner.dtype, device=dev),
+                wpos=torch.arange(self.capacity - q, self.capacity, device=dev),
+            )
+            self._bufs[q] = b
+        return b
+
+    def _forward(self, b: _Buffers) -> torch.Tensor:
+        self.cache.set_write_positions(b.wpos)
+        try:
+            return self.runner.forward(b.ids, b.pos, b.mask, self.cache, logits_to_keep=b.ids.shape[1])
+        finally:
+            self.cache.set_write_positions(None)
+
+    def _capture(self, b: _Buffers) -> None:
+        # Warm-up writes go to the last q slots, which no session reaches while this runs.
+        b.wpos.copy_(self._arange[self.capacity - b.ids.shape[1] :])
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            b.logits = self._forward(b)
+        b.graph = graph
+        self.captures += 1
+        logger.info("captured a CUDA graph for %d-token forwards", b.ids.shape[1])
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: int, block: torch.Tensor) -> torch.Tensor:
+        """One forward of ``q`` tokens written to slots ``ctx + b - q .. ctx + b - 1``.
+
+        Args:
+            ids: `[q]` int64 tokens (device).
+            pos: `[q]` int64 absolute positions (device).
+            ctx: committed context length (every row attends to slots ``[0, ctx)``).
+            block: `[q, b]` bool, which of the slots ``[ctx, ctx + b)`` each row attends to.
+
+        Returns:
+            `[q, vocab]` logits; with graphs this is a static buffer, valid until the next call
+            of the same size (clone what must outlive it).
+        """
+        q, nb = block.shape
+        end = ctx + nb
+        if end > self.capacity:
+            raise ValueError(f"static forward needs {end} slots; the workspace holds {self.capacity}")
+        b = self._buffers(q)
+        if self.use_graphs and b.graph is None:
+            self._capture(b)
+        b.ids[0].copy_(ids, non_blocking=True)
+        b.pos[0].copy_(pos, non_blocking=True)
+        m = b.mask[0, 0]
+        m.fill_(self._neg)
+        m[:, :ctx] = 0
+        m[:, ctx:end].masked_fill_(block.to(self.device), 0)
+        torch.add(self._arange[:q], end - q, out=b.wpos)
+        if b.graph is not None:
+            b.graph.replay()
+            self.runner.forward_count += 1
+            assert b.logits is not None
+            out = b.logits
+        else:
+            out = self._forward(b)
+        self.cache.set_length(end)
+        return out
+
+
+class Workspace:
+    """One static workspace per engine, lent to one session at a time (others run eagerly).
+
+    Batch-1 serving holds one live session per engine most of the time; the workspace's captured
+    graphs are then reused by every round of every session.
+    """
+
+    def __init__(self, runner: ModelRunner, capacity: int, use_graphs: bool):
+        self._runner = runner
+        self._capacity = capacity
+        self._use_graphs = use_graphs
+        self._static: StaticForward | None = None
+        self.owner: str | None = None
+
+    @property
+    def static(self) -> StaticForward:
+        if self._static is None:
+            self._static = StaticForward(self._runner, self._capacity, self._use_graphs)
+        return self._static
+
+    def acquire(self, session_id: str, needed: int) -> StaticKVCache | None:
+        """The workspace cache for ``session_id`` if it is free and large enough, else None."""
+        if self.owner is not None or needed > self._capacity:
+            return None
+        if getattr(self._runner.model, "hf_device_map", None) and len(set(self._runner.model.hf_device_map.values())) > 1:
+            return None  # a model spread over devices runs eagerly
+        cache = self.static.cache
+        cache.set_length(0)
+        self.owner = session_id
+        return cache
+
+    def release(self, session_id: str) -> None:
+        if self.owner == session_id:
+            self.owner = None

@@ -1,0 +1,76 @@
+"""The static-shape path (workspace cache, index writes, full-buffer masks; CUDA graphs on GPU)
+must give exactly what the eager path gives. On CPU it runs without capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+from specsplit.config import DraftConfig, TargetConfig
+from specsplit.errors import ResourceExhausted
+from specsplit.graphs import StaticForward
+
+PROMPT = [5, 17, 33, 81, 9, 100]
+
+
+def _cfg(shape: str, graphs: bool, capacity: int = 256) -> SpecSplitConfig:
+    return SpecSplitConfig(
+        tree=TreeConfig(shape=shape),
+        draft=DraftConfig(cuda_graphs=graphs, graph_capacity=capacity),
+        target=TargetConfig(cuda_graphs=graphs, graph_capacity=capacity),
+    )
+
+
+@pytest.fixture
+def static_calls(monkeypatch):
+    calls = {"n": 0}
+    orig = StaticForward.run
+
+    def counting(self, *a, **k):
+        calls["n"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(StaticForward, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+@pytest.mark.parametrize("draft_kind", ["same", "random"])
+def test_static_path_greedy_exact(llama_target, llama_draft_random, shape, draft_kind, static_calls):
+    draft = llama_target if draft_kind == "same" else llama_draft_random
+    ids = torch.tensor([PROMPT])
+    ref = llama_target.generate(ids, max_new_tokens=40, do_sample=False)
+    with SpecSplitGenerator(llama_target, draft, config=_cfg(shape, True)) as gen:
+        for _ in range(2):  # second run reuses the workspace (and, on GPU, its graphs)
+            out = gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+        assert gen.target_engine._workspace.owner is None  # released at session end
+    assert static_calls["n"] > 0
+
+
+def test_static_path_matches_eager_under_sampling(qwen_target, qwen_draft_random):
+    ids = torch.tensor([PROMPT])
+    kw = dict(max_new_tokens=30, do_sample=True, temperature=0.8, top_p=0.9, return_dict_in_generate=True)
+    outs = []
+    for graphs in (False, True):
+        with SpecSplitGenerator(qwen_target, qwen_draft_random, config=_cfg("static", graphs)) as gen:
+            outs.append(gen.generate(ids, generator=torch.Generator().manual_seed(3), **kw))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].spec_stats.accepted_counts() == outs[1].spec_stats.accepted_counts()
+
+
+def test_sessions_beyond_the_workspace_fall_back_to_eager(llama_target):
+    ids = torch.tensor([PROMPT])
+    ref = llama_target.generate(ids, max_new_tokens=30, do_sample=False)
+    with SpecSplitGenerator(llama_target, llama_target, config=_cfg("chain", True, capacity=20)) as gen:
+        assert torch.equal(gen.generate(ids, max_new_tokens=30), ref)  # too long for 20 slots
+        assert gen.target_engine._workspace.owner is None
+
+
+def test_pinned_workspace_never_reallocates(llama_target):
+    from specsplit.engine_common import ModelRunner
+
+    sf = StaticForward(ModelRunner(llama_target, None, None, None, "auto"), 16, use_graphs=False)
+    with pytest.raises(ResourceExhausted, match="graph_capacity"):
+        sf.cache.ensure_capacity(64)
