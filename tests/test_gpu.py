@@ -60,3 +60,26 @@ def test_device_map_target(tmp_path, llama_target, kind):
         out = gen.generate(ids, max_new_tokens=30, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert out.spec_stats.acceptance_rate > 0.9  # draft == target
+
+
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape):
+    """Captured graphs replay the same computation as eager HF decoding (float32)."""
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape=shape),
+        draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512),
+        target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512),
+    )
+    ids = torch.tensor([PROMPTS[0]])
+    ref = target.generate(ids.to(tdev), max_new_tokens=60, do_sample=False).cpu()
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        for _ in range(3):
+            out = gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+        assert gen.target_engine._workspace.static.captures >= 1
+        assert gen.draft_engine._workspace.static.captures >= 1
