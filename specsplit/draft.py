@@ -53,6 +53,8 @@ class DraftCacheState:
 
 @dataclass(frozen=True)
 class _PlanTensors:
+    parents: torch.Tensor  # [N]
+    depths: torch.Tensor  # [N]
     anc: torch.Tensor  # [N, N] bool
     levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], ...]
     # per level: (local parent index [W], rank [W], node index [W], start, end, kmax)
@@ -230,14 +232,13 @@ class DraftEngine:
         if state.static and len(todo) <= n_in and length + n_in + req.tree.max_nodes <= cache.capacity:
             # Padded to a fixed size so the step replays one graph; padding rows see only
             # themselves and write beyond the valid length, where nothing reads them.
-            dev = self.device
             ids = torch.zeros(n_in, dtype=torch.long)
             ids[: len(todo)] = torch.tensor(todo, dtype=torch.long)
             real = torch.arange(n_in) < len(todo)
             block = torch.ones(n_in, n_in, dtype=torch.bool).tril() & real[None, :]
             block |= torch.eye(n_in, dtype=torch.bool)
             pos = torch.arange(length, length + n_in)
-            out = self._workspace.static.run(ids.to(dev), pos.to(dev), length, block.to(dev))
+            out = self._workspace.static.run(ids, pos, length, block)
             logits = out[len(todo) - 1].clone()  # [V]; the graph's buffer is reused
             cache.set_length(length + len(todo))
         else:
@@ -291,7 +292,8 @@ class DraftEngine:
                     )
                 )
                 prev = idx
-            pt = _PlanTensors(ancestor_matrix(parents), tuple(levels))
+            depths = torch.tensor(plan.depths, dtype=torch.long, device=dev)
+            pt = _PlanTensors(parents, depths, ancestor_matrix(parents), tuple(levels))
             self._plans[key] = pt
         return pt
 
@@ -363,9 +365,7 @@ class DraftEngine:
             if d + 1 < len(pt.levels):
                 positions = torch.full((end - start,), committed + d, dtype=torch.long, device=dev)
                 parent_logits = self._level_forward(state, tok, pt.anc[start:end, :end], positions, committed, stats)
-        depths = torch.tensor(plan.depths, dtype=torch.long, device=dev)
-        parents = torch.tensor(plan.parents, dtype=torch.long, device=dev)
-        return TokenTree(tokens, parents, depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
+        return TokenTree(tokens, pt.parents, pt.depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
 
     def _grow_dynamic(
         self,

@@ -28,6 +28,18 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None) ->
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
+def h2d(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy to ``device`` without a hidden host sync.
+
+    A copy from pageable host memory waits for the device queue; staging through pinned memory
+    lets the host keep launching work while the GPU is busy.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or t.device.type != "cpu":
+        return t.to(dev, non_blocking=True)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -124,9 +136,9 @@ class ModelRunner:
         model = self.require()
         dev = self.input_device
         out = model(
-            input_ids=input_ids.to(dev, non_blocking=True),
-            position_ids=position_ids.to(dev, non_blocking=True),
-            attention_mask=mask.to(dev, non_blocking=True),
+            input_ids=h2d(input_ids, dev),
+            position_ids=h2d(position_ids, dev),
+            attention_mask=h2d(mask, dev),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,

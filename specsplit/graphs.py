@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.engine_common import ModelRunner
+from specsplit.engine_common import ModelRunner, h2d
 from specsplit.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
@@ -121,12 +121,12 @@ class StaticForward:
         b = self._buffers(q)
         if self.use_graphs and b.graph is None:
             self._capture(b)
-        b.ids[0].copy_(ids, non_blocking=True)
-        b.pos[0].copy_(pos, non_blocking=True)
+        b.ids[0].copy_(h2d(ids, self.device), non_blocking=True)
+        b.pos[0].copy_(h2d(pos, self.device), non_blocking=True)
         m = b.mask[0, 0]
         m.fill_(self._neg)
         m[:, :ctx] = 0
-        m[:, ctx:end].masked_fill_(block.to(self.device), 0)
+        m[:, ctx:end].masked_fill_(h2d(block, self.device), 0)
         torch.add(self._arange[:q], end - q, out=b.wpos)
         if b.graph is not None:
             b.graph.replay()

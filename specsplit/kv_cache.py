@@ -202,10 +202,14 @@ class StaticKVCache(Cache):
             start: first destination slot.
         """
         m = int(keep_indices.shape[0])
+        on_device: dict[torch.device, torch.Tensor] = {}
         for layer in self._static_layers:
             if m and layer.is_initialized:
                 assert layer.keys is not None and layer.values is not None
-                idx = keep_indices.to(layer.keys.device)
+                idx = on_device.get(layer.keys.device)
+                if idx is None:
+                    src = keep_indices.pin_memory() if layer.keys.device.type == "cuda" else keep_indices
+                    idx = on_device[layer.keys.device] = src.to(layer.keys.device, non_blocking=True)
                 # Gather first: sources and destinations may overlap.
                 k = layer.keys.index_select(2, idx)
                 v = layer.values.index_select(2, idx)

@@ -20,6 +20,7 @@ from specsplit.engine_common import (
     PROTOCOL_VERSION,
     ModelRunner,
     check_capacity,
+    h2d,
     make_store,
     sync_device,
 )
@@ -236,7 +237,7 @@ class TargetEngine:
         cache.ensure_capacity(length + p + n)
         dev = self.device
         tree = tree.to(dev)
-        pend = torch.tensor(pending, dtype=torch.long).to(dev, non_blocking=True)
+        pend = h2d(torch.tensor(pending, dtype=torch.long), dev)
         ids = torch.cat([pend, tree.token_ids])  # [P + N]
         t = time.perf_counter()
         try:

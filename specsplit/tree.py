@@ -129,13 +129,17 @@ class TokenTree:
             return self
 
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(dev, non_blocking=True)
+            if t is None:
+                return None
+            if dev.type == "cuda" and t.device.type == "cpu":  # pinned: no hidden host sync
+                t = t.pin_memory()
+            return t.to(dev, non_blocking=True)
 
         return TokenTree(
-            self.token_ids.to(dev, non_blocking=True),
-            self.parents.to(dev, non_blocking=True),
-            self.depths.to(dev, non_blocking=True),
-            self.log_probs.to(dev, non_blocking=True),
+            mv(self.token_ids),  # type: ignore[arg-type]
+            mv(self.parents),  # type: ignore[arg-type]
+            mv(self.depths),  # type: ignore[arg-type]
+            mv(self.log_probs),  # type: ignore[arg-type]
             mv(self.q_ids),
             mv(self.q_probs),
             self.max_branch,
