@@ -1,0 +1,151 @@
+"""Per-step costs on a GPU against the weight-read bound (DESIGN.md, "Performance model").
+
+For the target and the draft: an eager HF decode step (DynamicCache), our static-shape step
+replayed from a CUDA graph for 1 token (target-only decoding) and for a verify/level of ``q``
+tokens, each next to ``weight bytes / measured copy bandwidth``. One process, one device.
+
+    python benchmarks/step_times.py --device cuda:0 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    reps = 10
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * a.numel() * a.element_size() * reps / (start.elapsed_time(end) / 1e3)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def time_ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@torch.inference_mode()
+def measure(model: torch.nn.Module, name: str, device: torch.device, ctx: int, qs: list[int], bw: float) -> dict:
+    from specsplit.engine_common import ModelRunner
+    from specsplit.graphs import StaticForward
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, ctx), device=device)
+    # eager HF decode step
+    dyn = DynamicCache(config=model.config)
+    model(prompt, past_key_values=dyn)
+    tok = prompt[:, -1:]
+
+    def eager_step() -> None:
+        model(tok, past_key_values=dyn)
+        dyn.crop(ctx)
+
+    out = {"model": name, "weight_bytes": weight_bytes(model), "context": ctx}
+    out["bound_ms"] = out["weight_bytes"] / bw * 1e3
+    out["eager_step_ms"] = time_ms(eager_step)
+    runner = ModelRunner(model, name, None, None, "auto")
+    sf = StaticForward(runner, ctx + 128, use_graphs=True)
+    for q in qs:
+        ids = torch.randint(0, vocab, (q,), device=device)
+        pos = torch.arange(ctx, ctx + q, device=device)
+        block = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+        sf.cache.set_length(ctx)
+
+        def step() -> None:
+            sf.run(ids, pos, ctx, block)
+            sf.cache.set_length(ctx)
+
+        ms = time_ms(step)
+        out[f"graph_q{q}_ms"] = ms
+        out[f"graph_q{q}_over_bound"] = ms / out["bound_ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--qs", default="1,5,17,33")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    from specsplit.models import load_model
+
+    device = torch.device(args.device)
+    bw = copy_bandwidth(device)
+    qs = [int(x) for x in args.qs.split(",")]
+    rows = []
+    for role, name in (("target", args.target), ("draft", args.draft)):
+        model = load_model(name, dtype=torch.bfloat16, device=str(device))
+        r = measure(model, name, device, args.context, qs, bw)
+        r["role"] = role
+        rows.append(r)
+        del model
+        torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name(device)
+    result = {
+        "machine": gpu,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/step_times.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = gpu.lower().replace("nvidia ", "").split()[0]
+    (out / f"step_times-{slug}.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        f"# Step times on {gpu} (bf16, context {args.context}; copy bandwidth {bw / 1e9:.0f} GB/s)",
+        "",
+        "| model | weights GB | bound ms | eager HF step ms | " + " | ".join(f"graph q={q} ms (x bound)" for q in qs) + " |",
+        "|---|---|---|---|" + "---|" * len(qs),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r[f'graph_q{q}_ms']:.2f} ({r[f'graph_q{q}_over_bound']:.1f}x)" for q in qs)
+        lines.append(
+            f"| {r['role']} {r['model']} | {r['weight_bytes'] / 1e9:.2f} | {r['bound_ms']:.2f} | "
+            f"{r['eager_step_ms']:.2f} | {cells} |"
+        )
+    (out / f"step_times-{slug}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
