@@ -32,6 +32,7 @@ class WorkerStats:
     tokens_processed: int = 0  # tokens fed through the model
     forwards: int = 0  # model forward calls
     device: str = ""
+    verify_mode: str = ""  # target with SpecPV on: "full" or "partial" ("" otherwise / draft)
 
 
 @dataclass

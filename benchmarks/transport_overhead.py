@@ -1,0 +1,285 @@
+#!/usr/bin/env python
+"""Per-round transport overhead of GrpcTransport over LocalTransport, on loopback.
+
+Both transports drive the SAME engine objects with the SAME requests; the engines are no-op
+stand-ins that return a canned tree / verification result of the requested shape at once, so the
+difference between the two is exactly what remote mode adds per round: dataclass <-> protobuf
+conversion, serialisation, HTTP/2 on loopback and the server's thread hand-off. The no-op workers
+run in a subprocess (as real workers do), so client and server do not share a GIL.
+
+For each tree shape (chain K=4, a 16-node static tree, a 64-node tree) and for greedy (no q) and
+sampling (sparse q with ``Kq`` = 32 ids/probabilities per node) it reports, separately for the
+draft call and the verify call: median and p90 microseconds of (gRPC - local) and the protobuf
+payload bytes of request + response (HTTP/2 framing adds ~50-100 bytes per call).
+
+    python benchmarks/transport_overhead.py            # writes benchmarks/results/transport_overhead-<tag>.{json,md}
+    python benchmarks/transport_overhead.py --rounds 2000 --tag cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specsplit.config import SamplingParams, TreeConfig  # noqa: E402
+from specsplit.engine_common import PROTOCOL_VERSION  # noqa: E402
+from specsplit.local import LocalTransport  # noqa: E402
+from specsplit.transport import (  # noqa: E402
+    DraftRequest,
+    DraftResult,
+    VerifyRequest,
+    VerifyResult,
+    WorkerInfo,
+    WorkerStats,
+)
+from specsplit.tree import TokenTree  # noqa: E402
+
+VOCAB = 151_936  # Qwen2.5 vocabulary: realistic id magnitudes (3-byte varints)
+KQ = 32
+SHAPES = {
+    "chain K=4": TreeConfig(shape="chain", num_draft_tokens=4),
+    "static 16 nodes": TreeConfig(shape="static"),
+    "tree 64 nodes": TreeConfig(shape="dynamic", topk=4, width=4, budget=64, max_depth=6),
+}
+
+
+def canned_tree(cfg: TreeConfig, do_sample: bool) -> TokenTree:
+    """A deterministic tree of ``cfg.max_nodes`` nodes (the shape's plan, or 4-ary BFS for dynamic)."""
+    if cfg.shape == "dynamic":
+        n = cfg.budget
+        parents = [-1 if i < 4 else (i - 4) // 4 for i in range(n)]
+    else:
+        parents = list(cfg.static_plan().parents)
+        n = len(parents)
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    g = torch.Generator().manual_seed(n)
+    tree = TokenTree(
+        token_ids=torch.randint(0, VOCAB, (n,), generator=g),
+        parents=torch.tensor(parents),
+        depths=torch.tensor(depths),
+        log_probs=-torch.rand(n, generator=g),
+    )
+    if do_sample:
+        tree.q_ids = torch.randint(0, VOCAB, (n, KQ), generator=g)
+        q = torch.rand(n, KQ, generator=g)
+        tree.q_probs = q / q.sum(-1, keepdim=True)
+    return tree
+
+
+class NoopDraft:
+    """Returns a canned tree of the requested shape immediately."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, bool], TokenTree] = {}
+
+    def generate(self, req: DraftRequest) -> DraftResult:
+        key = (repr(req.tree), req.sampling.do_sample)
+        tree = self._cache.get(key)
+        if tree is None:
+            tree = self._cache[key] = canned_tree(req.tree, req.sampling.do_sample)
+        return DraftResult(tree, req.prefix_length + len(req.new_token_ids), WorkerStats(device="cpu"), True)
+
+    def end_session(self, session_id: str) -> bool:
+        return False
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo("draft", "noop", VOCAB, "float32", "cpu", PROTOCOL_VERSION, 0)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class NoopTarget(NoopDraft):
+    """Accepts the first root-to-leaf path of up to 3 nodes, immediately."""
+
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        n = req.tree.num_nodes
+        nodes = [0, 4, 20][: min(3, n)] if n > 4 else list(range(min(3, n)))
+        base = req.expected_prefix_length + len(req.pending_token_ids)
+        return VerifyResult([1000 + i for i in nodes], 77, nodes, base + len(nodes), 3, n,
+                            WorkerStats(device="cpu"), True)  # fmt: skip
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo("target", "noop", VOCAB, "float32", "cpu", PROTOCOL_VERSION, 0)
+
+
+def serve_noop() -> int:
+    """Subprocess entry: serve the no-op engines on free ports, print ``READY <draft> <target>``."""
+    from specsplit.remote import serve_draft, serve_target
+    from specsplit.remote.server import ServerLimits
+
+    limits = ServerLimits(max_tree_nodes=256)
+    d = serve_draft(NoopDraft(), limits=limits)
+    t = serve_target(NoopTarget(), limits=limits)
+    print(f"READY {d.port} {t.port}", flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    d.stop(0)
+    t.stop(0)
+    return 0
+
+
+def measure(transport, tree_cfg: TreeConfig, do_sample: bool, rounds: int) -> dict[str, list[float]]:
+    sampling = SamplingParams(do_sample=do_sample, temperature=1.0, top_k=0, top_p=1.0)
+    draft_s, verify_s = [], []
+    prefix = 0
+    new = list(range(100, 612))  # a 512-token prompt on the first round, then 4 new tokens per round
+    for i in range(rounds):
+        dreq = DraftRequest("bench", new, prefix, tree_cfg, sampling, i if do_sample else None, None, 4096)
+        t0 = time.perf_counter()
+        dres = transport.draft(dreq)
+        t1 = time.perf_counter()
+        vreq = VerifyRequest("bench", dres.tree, [new[-1]], prefix, sampling, i if do_sample else None, 4096)
+        transport.verify(vreq)
+        t2 = time.perf_counter()
+        draft_s.append(t1 - t0)
+        verify_s.append(t2 - t1)
+        prefix, new = dres.prefix_length, [1, 2, 3, 4]
+    return {"draft": draft_s, "verify": verify_s}
+
+
+def payload_bytes(tree_cfg: TreeConfig, do_sample: bool) -> dict[str, int]:
+    from specsplit.remote import convert
+
+    sampling = SamplingParams(do_sample=do_sample)
+    seed = 2**61 if do_sample else None
+    dreq = DraftRequest(
+        "0123456789abcdef0123456789abcdef", [1, 2, 3, 4], 600, tree_cfg, sampling, seed, None, 4096
+    )
+    dres = NoopDraft().generate(dreq)
+    vreq = VerifyRequest(dreq.session_id, dres.tree, [150_000], 600, sampling, seed, 4096)
+    vres = NoopTarget().verify(vreq)
+    return {
+        "draft_request": convert.draft_request_to_proto(dreq).ByteSize(),
+        "draft_response": convert.draft_result_to_proto(dres, 1e-4).ByteSize(),
+        "verify_request": convert.verify_request_to_proto(vreq).ByteSize(),
+        "verify_response": convert.verify_result_to_proto(vres, 1e-4).ByteSize(),
+    }
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=1000, help="measured rounds per configuration")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--tag", default="cpu", help="results file suffix")
+    ap.add_argument("--serve-noop", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_noop:
+        return serve_noop()
+    torch.set_num_threads(1)
+    from specsplit.remote import GrpcTransport
+
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-noop"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    line = proc.stdout.readline().split()
+    if not line or line[0] != "READY":
+        raise SystemExit(f"no-op workers did not start: {line}")
+    grpc_t = GrpcTransport(f"127.0.0.1:{line[2]}", f"127.0.0.1:{line[1]}", timeout_s=30)
+    local_t = LocalTransport(NoopDraft(), NoopTarget())  # type: ignore[arg-type]
+    rows = []
+    try:
+        for name, cfg in SHAPES.items():
+            for do_sample in (False, True):
+                for t in (local_t, grpc_t):
+                    measure(t, cfg, do_sample, args.warmup)
+                # Interleave blocks so drift on a shared machine hits both transports alike.
+                loc: dict[str, list[float]] = {"draft": [], "verify": []}
+                rem: dict[str, list[float]] = {"draft": [], "verify": []}
+                block = max(1, args.rounds // 10)
+                for _ in range(10):
+                    for acc, t in ((loc, local_t), (rem, grpc_t)):
+                        m = measure(t, cfg, do_sample, block)
+                        acc["draft"] += m["draft"]
+                        acc["verify"] += m["verify"]
+                sizes = payload_bytes(cfg, do_sample)
+                row = {"shape": name, "nodes": canned_tree(cfg, do_sample).num_nodes,
+                       "mode": "sampling (q, Kq=32)" if do_sample else "greedy"}  # fmt: skip
+                for call in ("draft", "verify"):
+                    row[f"{call}_overhead_us_median"] = 1e6 * (
+                        statistics.median(rem[call]) - statistics.median(loc[call])
+                    )
+                    row[f"{call}_overhead_us_p90"] = 1e6 * (pct(rem[call], 0.9) - pct(loc[call], 0.9))
+                    row[f"{call}_local_us_median"] = 1e6 * statistics.median(loc[call])
+                    row[f"{call}_bytes"] = sizes[f"{call}_request"] + sizes[f"{call}_response"]
+                row.update(sizes)
+                rows.append(row)
+                print(f"{name:16s} {row['mode']:20s} draft +{row['draft_overhead_us_median']:7.0f} us "
+                      f"{row['draft_bytes']:6d} B | verify +{row['verify_overhead_us_median']:7.0f} us "
+                      f"{row['verify_bytes']:6d} B", flush=True)  # fmt: skip
+    finally:
+        grpc_t.close()
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    write(rows, args)
+    return 0
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    import grpc
+    from google.protobuf import __version__ as pb_version
+
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "benchmark": "transport_overhead",
+        "command": f"python benchmarks/transport_overhead.py --rounds {args.rounds} --tag {args.tag}",
+        "rounds_per_config": args.rounds,
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "protobuf": pb_version,
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),  # other work on a shared machine
+        "note": "overhead = gRPC minus LocalTransport on the same no-op engines; loopback TCP, "
+        "workers in a subprocess; bytes = protobuf payload of request + response",
+    }
+    (out / f"transport_overhead-{args.tag}.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
+    )
+    lines = [
+        f"# Transport overhead per round ({args.tag})",
+        "",
+        f"`{meta['command']}` — Python {meta['python']}, grpcio {meta['grpcio']}, protobuf "
+        f"{meta['protobuf']}, {meta['cpus']} CPUs, load average {meta['load_average_1m_at_end']}, {meta['date']}.",
+        "",
+        "Overhead = gRPC minus LocalTransport on the same no-op engines and requests (median, p90 in "
+        "brackets), loopback, workers in a subprocess. Bytes = protobuf payload, request + response.",
+        "",
+        "| tree | nodes | mode | draft µs | draft bytes | verify µs | verify bytes |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['nodes']} | {r['mode']} | {r['draft_overhead_us_median']:.0f} "
+            f"({r['draft_overhead_us_p90']:.0f}) | {r['draft_bytes']} | {r['verify_overhead_us_median']:.0f} "
+            f"({r['verify_overhead_us_p90']:.0f}) | {r['verify_bytes']} |"
+        )
+    (out / f"transport_overhead-{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / f'transport_overhead-{args.tag}.json'} and .md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""``specsplit serve draft|target``: run one engine as a gRPC worker.
+
+Prints exactly one line ``READY <port>`` to stdout once the worker accepts calls (scripts and tests
+wait for it; with ``--port 0`` it names the port picked). SIGTERM and SIGINT stop the worker
+gracefully: new calls are refused, in-flight ones get ``--grace`` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    """Register ``serve`` on the ``specsplit`` command line."""
+    p = sub.add_parser("serve", help="serve a draft or target model as a gRPC worker")
+    p.add_argument("role", choices=["draft", "target"], help="which engine to run")
+    p.add_argument("--model", required=True, help="alias, local directory or HF id")
+    p.add_argument("--port", type=int, default=50051, help="TCP port (0 picks a free one)")
+    p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    p.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda:0 or cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS, needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the bearer token clients must send (or set SPECSPLIT_AUTH_TOKEN)",
+    )
+    p.add_argument("--max-sessions", type=int, default=None, help="LRU bound on live sessions")
+    p.add_argument("--session-ttl", type=float, default=None, help="seconds before an idle session expires")
+    p.add_argument("--max-workers", type=int, default=8, help="concurrent request threads")
+    p.add_argument("--max-message-mb", type=float, default=16.0, help="largest request or response")
+    p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree accepted")
+    p.add_argument("--max-tree-depth", type=int, default=64, help="deepest tree accepted")
+    p.add_argument("--max-context", type=int, default=32768, help="most tokens one session may hold")
+    p.add_argument("--q-top-k", type=int, default=None, help="draft: support size of the sampled q")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
+    p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _read_token(args: argparse.Namespace) -> str | None:
+    from specsplit.errors import ConfigError
+
+    if args.auth_token_file:
+        path = Path(args.auth_token_file)
+        if not path.is_file():
+            raise ConfigError(f"--auth-token-file {path} does not exist")
+        token = path.read_text().strip()
+        if not token:
+            raise ConfigError(f"--auth-token-file {path} is empty")
+        return token
+    return os.environ.get("SPECSPLIT_AUTH_TOKEN") or None
+
+
+def _load(args: argparse.Namespace) -> torch.nn.Module:
+    from specsplit.engine_common import default_device, resolve_dtype
+    from specsplit.models import load_model
+
+    device = args.device or str(default_device())
+    return load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from specsplit.config import DraftConfig, TargetConfig
+    from specsplit.errors import ConfigError
+    from specsplit.remote.server import ServerLimits, serve_draft, serve_target
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    token = _read_token(args)
+    common: dict[str, Any] = {"cuda_graphs": args.cuda_graphs}  # engine settings common to both roles
+    if args.graph_capacity is not None:
+        common["graph_capacity"] = args.graph_capacity
+    if args.max_sessions is not None:
+        common["max_sessions"] = args.max_sessions
+    if args.session_ttl is not None:
+        common["session_ttl_s"] = args.session_ttl
+    limits = ServerLimits(
+        max_message_bytes=int(args.max_message_mb * 1024 * 1024),
+        max_tree_nodes=args.max_tree_nodes,
+        max_tree_depth=args.max_tree_depth,
+        max_context=args.max_context,
+    )
+    engine: object
+    if args.role == "draft":
+        from specsplit.draft import DraftEngine
+
+        extra = {"q_top_k": args.q_top_k} if args.q_top_k is not None else {}
+        dcfg = DraftConfig(model=args.model, device=args.device, dtype=args.dtype, **common, **extra)
+        engine = DraftEngine(_load(args), config=dcfg)
+    else:
+        from specsplit.target import TargetEngine
+
+        tcfg = TargetConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_tree_nodes=args.max_tree_nodes,
+            max_tree_depth=args.max_tree_depth,
+            max_context=args.max_context,
+            **common,
+        )
+        engine = TargetEngine(_load(args), config=tcfg)
+    serve = serve_draft if args.role == "draft" else serve_target
+    server = serve(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
+                   auth_token=token, limits=limits)  # fmt: skip
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("received %s; shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    info = engine.info()  # type: ignore[attr-defined]
+    print(f"READY {server.port}", flush=True)
+    print(
+        f"[specsplit] {args.role} worker: {info.model_name} ({info.dtype}, {info.device}, vocab "
+        f"{info.vocab_size}) on {args.host}:{server.port}{' with TLS' if tls else ''}"
+        f"{', token required' if token else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        pass
+    server.stop(grace=args.grace, shutdown_engine=True)
+    return 0

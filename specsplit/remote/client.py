@@ -1,0 +1,343 @@
+"""GrpcTransport: the :class:`~specsplit.transport.Transport` that talks to remote workers.
+
+Every call carries a deadline (``timeout_s``). Failures become SpecSplit exceptions
+(``raise ... from None``, so users never see a ``grpc.RpcError``):
+
+===========================  ===========================================================
+INVALID_ARGUMENT             :class:`InvalidRequest`
+NOT_FOUND                    :class:`SessionNotFound`    (pipeline resends the full context)
+FAILED_PRECONDITION          :class:`CacheDesyncError`   (pipeline resends the full context)
+RESOURCE_EXHAUSTED           :class:`ResourceExhausted`
+anything else                :class:`TransportError`     (unreachable, deadline, auth, internal)
+===========================  ===========================================================
+
+Retry policy, and why it is safe:
+
+* ``Ping`` and ``EndSession`` are idempotent: retried on ``UNAVAILABLE`` with backoff until the
+  deadline.
+* ``VerifyDrafts`` is not idempotent (it advances the target's session), but every request names
+  the prefix length it expects. If a request reached the target and only the reply was lost, its
+  replay finds a longer cache and fails with ``FAILED_PRECONDITION``; a restarted target answers
+  ``NOT_FOUND``; either way the pipeline resends the full context and the output is unchanged. A
+  round can therefore never be committed twice, so ``UNAVAILABLE`` (worker down, restarting, or
+  connection lost) is retried until the deadline. ``DEADLINE_EXCEEDED`` is not retried: the worker
+  may still be busy with the call.
+* ``GenerateDrafts`` is not retried by us (gRPC's transparent retry still re-sends calls that never
+  left the client). A failing draft worker costs speed, not correctness: the client marks it down
+  (``has_draft`` becomes False, logged once), the pipeline continues target-only, and the draft is
+  probed again after ``draft_retry_interval_s``.
+
+Reconnection is gRPC's: channels reconnect on their own; the backoff is capped at one second so a
+restarted worker is found again quickly.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from specsplit.config import SpecSplitConfig
+from specsplit.engine_common import PROTOCOL_VERSION
+from specsplit.errors import (
+    CacheDesyncError,
+    ConfigError,
+    InvalidRequest,
+    ResourceExhausted,
+    SessionNotFound,
+    SpecSplitError,
+    TransportError,
+)
+from specsplit.remote import convert
+from specsplit.remote._generated import spec_decoding_pb2 as pb
+from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+from specsplit.transport import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 1.0
+_END_SESSION_TIMEOUT_S = 5.0  # cleanup only: a lost EndSession is caught by the worker's TTL
+
+
+class _Peer:
+    """One worker: its address, channel and stub."""
+
+    def __init__(self, role: str, address: str, channel: grpc.Channel, stub: Any):
+        self.role = role
+        self.address = address
+        self.channel = channel
+        self.stub = stub
+
+
+class GrpcTransport:
+    """Transport to a target worker and, optionally, a draft worker.
+
+    Args:
+        target_address: ``host:port`` of the target worker.
+        draft_address: ``host:port`` of the draft worker; ``None`` decodes target-only.
+        timeout_s: deadline of each call (retries of one call share it).
+        auth_token: bearer token sent as ``authorization: Bearer <token>``.
+        tls_ca_file: PEM file of the CA that signed the workers' certificates; enables TLS.
+        max_message_bytes: largest message sent or received.
+        draft_retry_interval_s: after the draft worker failed, how long ``has_draft`` stays False
+            before the next probe.
+    """
+
+    def __init__(
+        self,
+        target_address: str,
+        draft_address: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        auth_token: str | None = None,
+        tls_ca_file: str | Path | None = None,
+        max_message_bytes: int = convert.DEFAULT_MAX_MESSAGE_BYTES,
+        draft_retry_interval_s: float = 30.0,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.draft_retry_interval_s = draft_retry_interval_s
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        creds = None
+        if tls_ca_file is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(_BACKOFF_MAX_S * 1000)),
+            ("grpc.enable_retries", 1),  # transparent retry of calls that never left the client
+        ]
+
+        def peer(role: str, address: str, stub_cls: Any) -> _Peer:
+            if auth_token and creds is None and not _is_loopback(address):
+                logger.warning("sending the auth token to %s without TLS (set tls_ca_file)", address)
+            ch = (
+                grpc.secure_channel(address, creds, options=options)
+                if creds is not None
+                else grpc.insecure_channel(address, options=options)
+            )
+            return _Peer(role, address, ch, stub_cls(ch))
+
+        self._target = peer("target", target_address, pb_grpc.TargetServiceStub)
+        self._draft = peer("draft", draft_address, pb_grpc.DraftServiceStub) if draft_address else None
+        self._lock = threading.Lock()
+        self._draft_down_since: float | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: SpecSplitConfig) -> GrpcTransport:
+        """Build from ``SpecSplitConfig`` (``target_address``, ``draft_address``, ``timeout_s``, ...)."""
+        if not config.target_address:
+            raise ConfigError("transport='grpc' needs config.target_address ('host:port')")
+        return cls(
+            config.target_address,
+            config.draft_address,
+            timeout_s=config.timeout_s,
+            auth_token=config.auth_token,
+            tls_ca_file=config.tls_ca_file,
+        )
+
+    # ------------------------------------------------------------------ Transport protocol
+    @property
+    def has_draft(self) -> bool:
+        """False without a draft address, and for ``draft_retry_interval_s`` after a draft failure."""
+        if self._draft is None:
+            return False
+        with self._lock:
+            down = self._draft_down_since
+        if down is None:
+            return True
+        if time.monotonic() - down < self.draft_retry_interval_s:
+            return False
+        try:  # probe once per interval; a short deadline keeps the property cheap
+            self._call(self._draft, "Ping", pb.PingRequest(client_protocol_version=PROTOCOL_VERSION),
+                       timeout=min(1.0, self.timeout_s), retry=False, wait=True)  # fmt: skip
+        except SpecSplitError:
+            with self._lock:
+                self._draft_down_since = time.monotonic()
+            return False
+        with self._lock:
+            self._draft_down_since = None
+        logger.warning(
+            "draft worker at %s is reachable again; speculative decoding resumes", self._draft.address
+        )
+        return True
+
+    def draft(self, request: DraftRequest) -> DraftResult:
+        if self._draft is None:
+            raise TransportError("no draft worker configured (draft_address is None)")
+        msg = _encode(convert.draft_request_to_proto, request)
+        try:
+            resp = self._call(self._draft, "GenerateDrafts", msg, timeout=self.timeout_s, retry=False)
+        except TransportError as e:
+            self._mark_draft_down(e)
+            raise
+        return convert.draft_result_from_proto(resp)
+
+    def verify(self, request: VerifyRequest) -> VerifyResult:
+        msg = _encode(convert.verify_request_to_proto, request)
+        resp = self._call(self._target, "VerifyDrafts", msg, timeout=self.timeout_s, retry=True)
+        return convert.verify_result_from_proto(resp)
+
+    def end_session(self, session_id: str) -> None:
+        """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
+        msg = pb.EndSessionRequest(session_id=session_id)
+        timeout = min(self.timeout_s, _END_SESSION_TIMEOUT_S)
+        peers = [self._target] + ([self._draft] if self._draft is not None and self._draft_up() else [])
+        for p in peers:
+            try:
+                self._call(p, "EndSession", msg, timeout=timeout, retry=True)
+            except SpecSplitError as e:
+                logger.info("EndSession(%s) on the %s worker failed: %s", session_id, p.role, e)
+
+    def info(self) -> dict[str, WorkerInfo]:
+        """``{"target": ..., "draft": ...}`` from ``Ping`` (draft omitted when it is down or absent)."""
+        msg = pb.PingRequest(client_protocol_version=PROTOCOL_VERSION)
+        out = {"target": self._ping(self._target, msg)}
+        if self._draft is not None and self.has_draft:
+            try:
+                out["draft"] = self._ping(self._draft, msg)
+            except TransportError as e:
+                self._mark_draft_down(e)
+        return out
+
+    def close(self) -> None:
+        """Close both channels (idempotent); later calls raise :class:`TransportError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for p in (self._target, self._draft):
+            if p is not None:
+                p.channel.close()
+
+    def __enter__(self) -> GrpcTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        draft = self._draft.address if self._draft is not None else None
+        return f"GrpcTransport(target={self._target.address!r}, draft={draft!r})"
+
+    # ------------------------------------------------------------------ internals
+    def _ping(self, peer: _Peer, msg: pb.PingRequest) -> WorkerInfo:
+        info = convert.worker_info_from_proto(
+            self._call(peer, "Ping", msg, timeout=self.timeout_s, retry=True)
+        )
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise TransportError(
+                f"{peer.role} worker at {peer.address} speaks {info.protocol_version!r}, "
+                f"this client {PROTOCOL_VERSION!r}: upgrade one side"
+            )
+        return info
+
+    def _draft_up(self) -> bool:
+        with self._lock:
+            return self._draft_down_since is None
+
+    def _mark_draft_down(self, error: Exception) -> None:
+        with self._lock:
+            first = self._draft_down_since is None
+            self._draft_down_since = time.monotonic()
+        if first and self._draft is not None:
+            logger.warning(
+                "draft worker failed (%s); decoding target-only (same output, slower) and probing it "
+                "again every %.0fs",
+                error,
+                self.draft_retry_interval_s,
+            )
+
+    def _call(
+        self, peer: _Peer, method: str, msg: Any, *, timeout: float, retry: bool, wait: bool = False
+    ) -> Any:
+        """One logical call: attempts share ``timeout``; ``retry`` re-sends on UNAVAILABLE.
+
+        The first attempt fails fast on a dead channel unless ``wait``; retries wait for the channel
+        to (re)connect, which is what finds a restarted worker.
+        """
+        if self._closed:
+            raise TransportError("GrpcTransport is closed")
+        deadline = time.monotonic() + timeout
+        delay = _BACKOFF_START_S
+        fn = getattr(peer.stub, method)
+        unavailable: grpc.RpcError | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return fn(msg, timeout=max(remaining, 0.001), metadata=self._metadata, wait_for_ready=wait)
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+                if retry and code == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > delay:
+                    logger.info("%s worker at %s unavailable (%s); retrying %s", peer.role, peer.address,
+                                _details(e), method)  # fmt: skip
+                    time.sleep(delay)
+                    delay, wait, unavailable = min(delay * 2, _BACKOFF_MAX_S), True, e
+                    continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and unavailable is not None:
+                    e = unavailable  # the deadline ran out waiting for the worker: report why
+                raise _to_error(peer, method, e) from None
+            except ValueError as e:  # grpc raises ValueError on a closed channel
+                raise TransportError(f"{peer.role} worker at {peer.address}: {e}") from None
+
+
+def _encode(fn: Any, request: Any) -> Any:
+    """Encode a request; values protobuf cannot carry become :class:`InvalidRequest`."""
+    try:
+        return fn(request)
+    except (ValueError, TypeError, OverflowError) as e:
+        if isinstance(e, SpecSplitError):
+            raise
+        raise InvalidRequest(f"request cannot be encoded for gRPC: {e}") from None
+
+
+def _details(e: grpc.RpcError) -> str:
+    d = e.details() if hasattr(e, "details") else None
+    return d or str(e)
+
+
+def _to_error(peer: _Peer, method: str, e: grpc.RpcError) -> SpecSplitError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = _details(e)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return SessionNotFound(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+        exp, act = md.get("specsplit-expected"), md.get("specsplit-actual")
+        return CacheDesyncError(
+            details,
+            expected=int(exp) if isinstance(exp, str) and exp.isdigit() else None,
+            actual=int(act) if isinstance(act, str) and act.isdigit() else None,
+        )
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(details)
+    hint = ""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        hint = " (set auth_token / SPECSPLIT_AUTH_TOKEN to the worker's token)"
+    elif code == grpc.StatusCode.UNAVAILABLE:
+        hint = " (is the worker running? for TLS, is tls_ca_file right?)"
+    return TransportError(
+        f"{peer.role} worker at {peer.address}: {method} failed: {code.name}: {details}{hint}"
+    )
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

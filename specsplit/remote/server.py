@@ -1,0 +1,434 @@
+"""gRPC workers: the SAME engine classes LocalTransport calls, behind DraftService / TargetService.
+
+A servicer only decodes a request (:mod:`specsplit.remote.convert`), calls the engine under a
+per-session lock, encodes the result and maps SpecSplit errors to status codes:
+
+=================================  ======================
+``InvalidRequest``, ``ConfigError``  ``INVALID_ARGUMENT``
+``SessionNotFound``                  ``NOT_FOUND``
+``CacheDesyncError``                 ``FAILED_PRECONDITION`` (+ ``specsplit-expected`` /
+                                     ``specsplit-actual`` trailing metadata)
+``ResourceExhausted``, out of memory ``RESOURCE_EXHAUSTED``
+anything else                        ``INTERNAL`` (logged; the worker keeps serving)
+=================================  ======================
+
+Workers hold no state apart from sessions, so several can sit behind a gRPC load balancer with
+session affinity (route on the ``session_id`` field or pin a client to one backend).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from specsplit.errors import (
+    CacheDesyncError,
+    ConfigError,
+    InvalidRequest,
+    ResourceExhausted,
+    SessionNotFound,
+    SpecSplitError,
+)
+from specsplit.remote import convert
+from specsplit.remote._generated import spec_decoding_pb2 as pb
+from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (CacheDesyncError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
+
+
+@dataclass
+class ServerLimits:
+    """Limits a worker enforces on requests before they reach the engine.
+
+    Attributes:
+        max_message_bytes: largest request/response; larger ones get ``RESOURCE_EXHAUSTED``.
+        max_tree_nodes: largest tree a draft request may ask for (the target engine enforces
+            its own ``TargetConfig.max_tree_nodes`` on the trees it receives).
+        max_tree_depth: deepest tree a draft request may ask for.
+        max_context: most tokens a draft session may hold; ``capacity_hint`` is clamped to it on
+            both workers (a hint must never make a worker preallocate unbounded memory).
+    """
+
+    max_message_bytes: int = convert.DEFAULT_MAX_MESSAGE_BYTES
+    max_tree_nodes: int = 256
+    max_tree_depth: int = 64
+    max_context: int = 32768
+
+
+class _SessionLocks:
+    """One lock per live session id, created on demand and dropped when nobody holds it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, list[Any]] = {}  # id -> [lock, holders]
+
+    @contextmanager
+    def hold(self, session_id: str) -> Iterator[None]:
+        with self._guard:
+            entry = self._locks.setdefault(session_id, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._locks[session_id]
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._locks)
+
+
+class _Handler:
+    """What both servicers share: session locking, timing and error-to-status mapping."""
+
+    def __init__(self, engine: Any, worker_type: str, limits: ServerLimits):
+        self.engine = engine
+        self.worker_type = worker_type
+        self.limits = limits
+        self.locks = _SessionLocks()
+
+    def run(self, context: grpc.ServicerContext, session_id: str | None, work: Callable[[float], R]) -> R:
+        t0 = time.perf_counter()
+        try:
+            # Engines keep inference tensors in their caches; every call must run in inference
+            # mode, as generate() does in local mode.
+            with torch.inference_mode():
+                if session_id is None:
+                    return work(t0)
+                with self.locks.hold(session_id):
+                    return work(t0)
+        except SpecSplitError as e:
+            code = next((c for t, c in _STATUS if isinstance(e, t)), None)
+            if code is None:
+                logger.exception("%s worker: unexpected %s", self.worker_type, type(e).__name__)
+                code = grpc.StatusCode.INTERNAL
+            if isinstance(e, CacheDesyncError) and e.expected is not None and e.actual is not None:
+                context.set_trailing_metadata(
+                    (("specsplit-expected", str(e.expected)), ("specsplit-actual", str(e.actual)))
+                )
+            context.abort(code, str(e))
+        except _OUT_OF_MEMORY as e:
+            logger.error("%s worker: out of memory serving session %r: %s", self.worker_type, session_id, e)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker out of memory: {e}")
+        except Exception as e:
+            logger.exception("%s worker: internal error", self.worker_type)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    def ping(self, context: grpc.ServicerContext) -> pb.PingResponse:
+        def work(t0: float) -> pb.PingResponse:
+            resp = convert.worker_info_to_proto(self.engine.info())
+            resp.telemetry.server_time_s = time.perf_counter() - t0
+            return resp
+
+        return self.run(context, None, work)
+
+    def end_session(
+        self, request: pb.EndSessionRequest, context: grpc.ServicerContext
+    ) -> pb.EndSessionResponse:
+        def work(t0: float) -> pb.EndSessionResponse:
+            existed = bool(self.engine.end_session(request.session_id))
+            return pb.EndSessionResponse(
+                existed=existed, telemetry=pb.Telemetry(server_time_s=time.perf_counter() - t0)
+            )
+
+        return self.run(context, request.session_id, work)
+
+    def clamp_capacity(self, hint: int) -> int:
+        return max(0, min(hint, self.limits.max_context))
+
+
+class DraftServicer(pb_grpc.DraftServiceServicer):
+    """``DraftService`` over a :class:`specsplit.draft.DraftEngine`."""
+
+    def __init__(self, engine: Any, limits: ServerLimits | None = None):
+        self._h = _Handler(engine, "draft", limits or ServerLimits())
+
+    def _check_limits(self, m: pb.DraftRequest) -> None:
+        lim = self._h.limits
+        spec = m.tree
+        depth = {
+            pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
+            pb.TREE_SHAPE_STATIC: max((len(p.ranks) for p in spec.static_paths.paths), default=0),
+            pb.TREE_SHAPE_DYNAMIC: spec.max_depth,
+        }.get(spec.shape, 0)
+        nodes = {
+            pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
+            pb.TREE_SHAPE_STATIC: len(spec.static_paths.paths),
+            pb.TREE_SHAPE_DYNAMIC: max(spec.budget, spec.topk, spec.width),
+        }.get(spec.shape, 0)
+        # Checked on the raw message: building the TreeConfig of a huge static/chain shape is
+        # itself expensive.
+        if nodes > lim.max_tree_nodes or depth > lim.max_tree_depth:
+            raise ResourceExhausted(
+                f"requested tree (up to {nodes} nodes, depth {depth}) exceeds this worker's limits "
+                f"({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
+            )
+        if m.prefix_length + len(m.new_token_ids) > lim.max_context:
+            raise ResourceExhausted(
+                f"draft session would hold {m.prefix_length + len(m.new_token_ids)} tokens; "
+                f"this worker's max_context is {lim.max_context}"
+            )
+
+    def GenerateDrafts(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
+        def work(t0: float) -> pb.DraftResponse:
+            self._check_limits(request)
+            req = convert.draft_request_from_proto(request)
+            req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
+            resp = convert.draft_result_to_proto(self._h.engine.generate(req))
+            resp.telemetry.server_time_s = time.perf_counter() - t0
+            return resp
+
+        return self._h.run(context, request.session_id, work)
+
+    def EndSession(
+        self, request: pb.EndSessionRequest, context: grpc.ServicerContext
+    ) -> pb.EndSessionResponse:
+        return self._h.end_session(request, context)
+
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        return self._h.ping(context)
+
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    """``TargetService`` over a :class:`specsplit.target.TargetEngine`."""
+
+    def __init__(self, engine: Any, limits: ServerLimits | None = None):
+        limits = limits or ServerLimits()
+        cfg = getattr(engine, "config", None)
+        if cfg is not None:  # the engine's own limits are the ones that matter on the target
+            limits = ServerLimits(
+                limits.max_message_bytes, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.max_context
+            )
+        self._h = _Handler(engine, "target", limits)
+
+    def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
+        def work(t0: float) -> pb.VerifyResponse:
+            req = convert.verify_request_from_proto(request)
+            lim, tree = self._h.limits, req.tree
+            if (tree.depth_bound or 0) > lim.max_tree_depth or (tree.max_branch or 0) > lim.max_tree_nodes:
+                raise InvalidRequest(
+                    f"tree bounds (branch {tree.max_branch}, depth {tree.depth_bound}) exceed this worker's "
+                    f"limits ({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
+                )
+            req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
+            resp = convert.verify_result_to_proto(self._h.engine.verify(req))
+            resp.telemetry.server_time_s = time.perf_counter() - t0
+            return resp
+
+        return self._h.run(context, request.session_id, work)
+
+    def EndSession(
+        self, request: pb.EndSessionRequest, context: grpc.ServicerContext
+    ) -> pb.EndSessionResponse:
+        return self._h.end_session(request, context)
+
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        return self._h.ping(context)
+
+
+class _BearerAuth(grpc.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <token>`` (the health service stays open)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.startswith(_HEALTH_PREFIX):
+            return continuation(details)
+        got = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value if isinstance(value, str) else value.decode("latin-1")
+                break
+        if hmac.compare_digest(got.encode("latin-1", "replace"), self._expected):
+            return continuation(details)
+        return self._deny
+
+
+class WorkerServer:
+    """A running worker: the gRPC server, its bound port and the engine it serves.
+
+    Use as a context manager or call :meth:`stop`; the engine is NOT shut down (the caller owns
+    it) unless ``stop(shutdown_engine=True)``.
+    """
+
+    def __init__(self, server: grpc.Server, port: int, host: str, engine: Any, worker_type: str, health: Any):
+        self.server = server
+        self.port = port
+        self.host = host
+        self.engine = engine
+        self.worker_type = worker_type
+        self._health = health
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        host = "localhost" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+        return f"{host}:{self.port}"
+
+    def stop(self, grace: float | None = 5.0, shutdown_engine: bool = False) -> None:
+        """Stop accepting calls, let in-flight ones finish for ``grace`` seconds (idempotent)."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            if self._health is not None:
+                self._health.enter_graceful_shutdown()
+            self.server.stop(grace).wait()
+            self._stopped.set()
+        if shutdown_engine:
+            self.engine.shutdown()
+        logger.info("%s worker on port %d stopped", self.worker_type, self.port)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`stop` ran (True) or ``timeout`` passed (False)."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> WorkerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _add_health(server: grpc.Server, service: str) -> Any:
+    """Register the standard gRPC health service when grpcio-health-checking is installed."""
+    try:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    except ImportError:
+        return None
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", service):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def _serve(
+    worker_type: str,
+    servicer: Any,
+    add: Callable[[Any, grpc.Server], None],
+    engine: Any,
+    port: int,
+    host: str,
+    max_workers: int,
+    tls: tuple[str | Path, str | Path] | None,
+    auth_token: str | None,
+    limits: ServerLimits,
+) -> WorkerServer:
+    options = [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second worker on a busy port must fail, not share it
+    ]
+    interceptors = [_BearerAuth(auth_token)] if auth_token else []
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"specsplit-{worker_type}"),
+        interceptors=interceptors,
+        options=options,
+    )
+    add(servicer, server)
+    health = _add_health(server, f"specsplit.v1.{worker_type.capitalize()}Service")
+    addr = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        if tls is not None:
+            cert, key = (Path(p).read_bytes() for p in tls)
+            bound = server.add_secure_port(addr, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            bound = server.add_insecure_port(addr)
+    except RuntimeError as e:  # grpcio raises on bind failure; older versions return 0
+        raise OSError(f"could not bind {addr}: {e}") from None
+    if not bound:
+        raise OSError(f"could not bind {addr}")
+    server.start()
+    logger.info(
+        "%s worker serving on %s:%d (%s%s)",
+        worker_type,
+        host,
+        bound,
+        "TLS" if tls else "plaintext",
+        ", bearer token" if auth_token else "",
+    )
+    return WorkerServer(server, bound, host, engine, worker_type, health)
+
+
+def serve_draft(
+    engine: Any,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_workers: int = 8,
+    tls: tuple[str | Path, str | Path] | None = None,
+    auth_token: str | None = None,
+    limits: ServerLimits | None = None,
+) -> WorkerServer:
+    """Serve a :class:`~specsplit.draft.DraftEngine` (loaded) over gRPC and return at once.
+
+    Args:
+        engine: the engine; the caller keeps ownership.
+        port: TCP port; 0 picks a free one (read it from ``.port``).
+        host: interface to bind (``"0.0.0.0"`` for every interface).
+        max_workers: request threads (concurrent calls; one session's calls are serialised).
+        tls: ``(certificate chain PEM file, private key PEM file)`` to serve TLS.
+        auth_token: require ``authorization: Bearer <auth_token>`` on every call.
+        limits: request limits (defaults: :class:`ServerLimits`).
+
+    Returns:
+        The running :class:`WorkerServer`.
+    """
+    limits = limits or ServerLimits()
+    return _serve(
+        "draft", DraftServicer(engine, limits), pb_grpc.add_DraftServiceServicer_to_server,
+        engine, port, host, max_workers, tls, auth_token, limits,
+    )  # fmt: skip
+
+
+def serve_target(
+    engine: Any,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_workers: int = 8,
+    tls: tuple[str | Path, str | Path] | None = None,
+    auth_token: str | None = None,
+    limits: ServerLimits | None = None,
+) -> WorkerServer:
+    """Serve a :class:`~specsplit.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
+
+    The tree limits and ``max_context`` come from the engine's :class:`~specsplit.config.TargetConfig`.
+    """
+    limits = limits or ServerLimits()
+    return _serve(
+        "target", TargetServicer(engine, limits), pb_grpc.add_TargetServiceServicer_to_server,
+        engine, port, host, max_workers, tls, auth_token, limits,
+    )  # fmt: skip
