@@ -85,7 +85,7 @@ def measure(model: torch.nn.Module, name: str, device: torch.device, ctx: int, q
         block = torch.ones(q, q, dtype=torch.bool, device=device).tril()
         sf.cache.set_length(ctx)
 
-        def step() -> None:
+        def step(ids: torch.Tensor = ids, pos: torch.Tensor = pos, block: torch.Tensor = block) -> None:
             sf.run(ids, pos, ctx, block)
             sf.cache.set_length(ctx)
 

@@ -21,7 +21,7 @@ from specsplit.engine_common import (
     make_store,
     sync_device,
 )
-from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, SessionNotFound
+from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
 from specsplit.graphs import Workspace
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sampling import (
@@ -156,6 +156,7 @@ class DraftEngine:
         return self.generate(req).tree
 
     # ------------------------------------------------------------------ main entry
+    @torch.inference_mode()
     def generate(self, req: DraftRequest) -> DraftResult:
         """Ingest ``req.new_token_ids`` and grow a tree; see :class:`DraftRequest`.
 
@@ -176,7 +177,19 @@ class DraftEngine:
                     f"({req.tree.static_plan().max_branch}); raise q_top_k"
                 )
         stats = WorkerStats(device=str(self.device))
-        capacity = max(req.capacity_hint, req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes + 8)
+        capacity = max(
+            min(req.capacity_hint, self.config.max_context),
+            req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes + 8,
+        )
+        if req.prefix_length == 0 and not req.new_token_ids:
+            raise InvalidRequest("new_token_ids is empty: a new context needs at least one token")
+        if req.tree.max_nodes > self.config.max_tree_nodes or req.tree.depth_limit > self.config.max_tree_depth:
+            raise ResourceExhausted(
+                f"tree of {req.tree.max_nodes} nodes / depth {req.tree.depth_limit} exceeds this draft's "
+                f"limits ({self.config.max_tree_nodes} nodes, depth {self.config.max_tree_depth})"
+            )
+        if req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes > self.config.max_context:
+            raise ResourceExhausted(f"context would exceed the draft's max_context={self.config.max_context}")
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
         state, existed = self._store.get_or_create(req.session_id, lambda: self._new_state(req.session_id, capacity))

@@ -62,6 +62,17 @@ class SpecSplitOutput:
     per_sequence_stats: list[SpecStats] = field(default_factory=list)
 
 
+def _generation_config_from(name: str) -> GenerationConfig | None:
+    """The generation config saved with a model (alias or directory), if there is one."""
+    from specsplit.models import resolve_model_path
+
+    try:
+        return GenerationConfig.from_pretrained(resolve_model_path(name))
+    except Exception as e:  # no file, or not resolvable offline: keep HF defaults
+        logger.debug("no generation config for %s: %s", name, e)
+        return None
+
+
 class SpecSplitGenerator:
     """Speculative decoding behind an HF-style ``generate()``.
 
@@ -132,7 +143,14 @@ class SpecSplitGenerator:
         tok_src = tokenizer if tokenizer is not None else target
         tok = load_tokenizer(tok_src) if isinstance(tok_src, str) else tok_src
         if cfg.transport == "grpc":
-            return cls(None, None, tokenizer=tok, config=cfg)
+            gen = cls(None, None, tokenizer=tok, config=cfg)
+            src = tokenizer if isinstance(tokenizer, str) else target
+            gc = _generation_config_from(src) if isinstance(src, str) else None
+            if gc is not None:  # EOS ids and defaults of the served model
+                gen.generation_config = gc
+            elif tok is not None and getattr(tok, "eos_token_id", None) is not None:
+                gen.generation_config.eos_token_id = tok.eos_token_id
+            return gen
         cfg.target.model = target or cfg.target.model
         cfg.draft.model = draft or cfg.draft.model
         if not cfg.target.model:

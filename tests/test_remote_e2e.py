@@ -406,11 +406,6 @@ def test_malformed_requests_get_status_codes_and_change_nothing(workers, engines
     assert info["target"].active_sessions == 0 and info["draft"].active_sessions == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DraftEngine.generate creates the session before rejecting empty new_token_ids (prefix 0); "
-    "remove this mark once it validates first",
-)
 def test_rejected_empty_draft_context_creates_no_session(workers) -> None:
     ch = grpc.insecure_channel(workers[1].address)
     stub = pb_grpc.DraftServiceStub(ch)
