@@ -60,7 +60,10 @@ class StaticForward:
         self.cache.allocate(1, kv_heads, head_dim, runner.dtype, self.device)
         self._bufs: dict[int, _Buffers] = {}
         self._arange = torch.arange(capacity, device=self.device)
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._pool = None
+        if self.use_graphs:
+            with torch.cuda.device(self.device):
+                self._pool = torch.cuda.graph_pool_handle()
         self._neg = torch.finfo(runner.dtype).min
         self.captures = 0
 
@@ -85,6 +88,11 @@ class StaticForward:
             self.cache.set_write_positions(None)
 
     def _capture(self, b: _Buffers) -> None:
+        # Capture on the model's own device (it need not be the current one).
+        with torch.cuda.device(self.device):
+            self._capture_here(b)
+
+    def _capture_here(self, b: _Buffers) -> None:
         # Warm-up writes go to the last q slots, which no session reaches while this runs.
         b.wpos.copy_(self._arange[self.capacity - b.ids.shape[1] :])
         stream = torch.cuda.Stream(self.device)
@@ -129,7 +137,8 @@ class StaticForward:
         m[:, ctx:end].masked_fill_(h2d(block, self.device), 0)
         torch.add(self._arange[:q], end - q, out=b.wpos)
         if b.graph is not None:
-            b.graph.replay()
+            with torch.cuda.device(self.device):
+                b.graph.replay()
             self.runner.forward_count += 1
             assert b.logits is not None
             out = b.logits
