@@ -25,9 +25,10 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros(0, 0, dtype=torch.bool, device=dev)
     rel = torch.eye(n, dtype=torch.float32, device=dev)
-    has = parents >= 0
+    has = (parents >= 0).float()
     rows = torch.arange(n, device=dev)
-    rel[rows[has], parents[has]] = 1.0
+    # Adds 1 at (i, parent) and 0 for roots: no boolean indexing, so no host sync.
+    rel.index_put_((rows, parents.clamp_min(0)), has, accumulate=True)
     for _ in range(max(1, math.ceil(math.log2(n)))):
         rel = ((rel @ rel) > 0).float()
     return rel > 0

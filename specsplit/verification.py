@@ -65,9 +65,10 @@ def children_table(parents: torch.Tensor, max_branch: int) -> torch.Tensor:
     idx = torch.arange(n, device=dev)
     same = (row[:, None] == row[None, :]) & (idx[None, :] < idx[:, None])  # [N, N]
     rank = same.sum(-1)  # [N]
-    keep = rank < table.shape[1]
-    table[row[keep], rank[keep]] = idx[keep]
-    return table
+    # Ranks past the table go to a spare column that is dropped (no boolean indexing: no sync).
+    wide = torch.full((n + 1, table.shape[1] + 1), -1, dtype=torch.long, device=dev)
+    wide.index_put_((row, rank.clamp_max(table.shape[1])), idx)
+    return wide[:, :-1].contiguous()
 
 
 def _follow_path(accepted_child: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,7 +81,8 @@ def _follow_path(accepted_child: torch.Tensor, max_depth: int) -> tuple[torch.Te
     row = torch.zeros((), dtype=torch.long, device=dev)
     count = torch.zeros((), dtype=torch.long, device=dev)
     for d in range(max_depth):
-        child = accepted_child[row]
+        # index_select keeps the row on device (indexing with a 0-d tensor would read it back)
+        child = accepted_child.index_select(0, row.view(1)).view(())
         ok = child >= 0
         path[d] = torch.where(ok, child, path[d])
         count = count + ok.long()
@@ -109,7 +111,7 @@ def verify_greedy(target_logits: torch.Tensor, tree: TokenTree, max_depth: int, 
         first = first.scatter_reduce(0, tree.parents + 1, cand, reduce="amin")
         accepted_child = torch.where(first < n, first, -1)
     path, count, row = _follow_path(accepted_child, max_depth)
-    return VerifyOutcome(path, count, argmax[row])
+    return VerifyOutcome(path, count, argmax.index_select(0, row.view(1)).view(()))
 
 
 def _dense_q(tree: TokenTree, nodes: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -167,7 +169,7 @@ def verify_stochastic(
             upd = reject[:, None] & (mass > 0)
             p_res = torch.where(upd, resid / mass.clamp_min(1e-30), p_res)
     path, count, row = _follow_path(accepted_child, max_depth)
-    final = p_res[row]  # [V]
+    final = p_res.index_select(0, row.view(1))[0]  # [V]
     e = exponential_noise((vocab,), dev, generator)
     next_token = (final / e).argmax()
     return VerifyOutcome(path, count, next_token)

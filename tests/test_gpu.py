@@ -83,3 +83,51 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape):
             assert torch.equal(out.sequences, ref)
         assert gen.target_engine._workspace.static.captures >= 1
         assert gen.draft_engine._workspace.static.captures >= 1
+
+
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape, graphs, monkeypatch):
+    """Inside a round the only device-to-host read is the verification outcome (one copy)."""
+    import copy
+
+    from specsplit import verification
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    reads = {"n": 0}
+    orig = verification.VerifyOutcome.to_host
+
+    def allowed_read(self, token_ids):
+        reads["n"] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return orig(self, token_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(verification.VerifyOutcome, "to_host", allowed_read)
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape=shape),
+        draft=DraftConfig(device=ddev, cuda_graphs=graphs, graph_capacity=512),
+        target=TargetConfig(device=tdev, cuda_graphs=graphs, graph_capacity=512),
+    )
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20)  # prefill, captures
+        from specsplit.pipeline import DecodeParams, decode
+
+        params = DecodeParams(max_new_tokens=24, tree=cfg.tree)
+        prompt = PROMPTS[0] + [11, 12, 13]
+        torch.cuda.synchronize()
+        # first round prefills (host work allowed); check the steady-state rounds
+        out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
+        torch.cuda.set_sync_debug_mode(0)
+    assert reads["n"] == len(stats.rounds)
+
+
+def _arm_sync_check_after_first_round():
+    def on_tokens(_tokens):
+        torch.cuda.set_sync_debug_mode("error")
+
+    return on_tokens
