@@ -1,0 +1,476 @@
+"""``specsplit bench``: Hugging Face baselines and SpecSplit decoders on the same prompts, in one process.
+
+Every decoder (listed in :mod:`specsplit.bench_decoders`: HF ``generate()``, HF assisted generation,
+HF prompt lookup, SpecSplit target-only / chain / static tree / dynamic tree, SpecSplit over gRPC)
+gets the same prompts (chat template applied), the same greedy ``GenerationConfig`` (``do_sample=False``,
+``max_new_tokens``, EOS and pad ids) and the same loaded model objects.
+
+The loop is repeat -> prompt -> decoder, so slow drifts of a shared machine hit every decoder alike;
+each decoder is warmed up once before timing; CUDA devices are synchronised before and after each
+timed call. Results go to ``<out>/<machine>-<date>.{json,md,png}`` (see :mod:`specsplit.bench_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specsplit.bench_decoders import (
+    ASSISTED,
+    BASELINE,
+    DECODERS,
+    PROMPT_LOOKUP_TOKENS,
+    DecodeOutput,
+    Decoder,
+    build_decoders,
+    load_models,
+)
+from specsplit.bench_report import (
+    RunRecord,
+    first_difference,
+    machine_info,
+    machine_slug,
+    rounds_to_counts,
+    summarize,
+    to_markdown,
+    write_plot,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "specsplit-bench/1"
+CATEGORIES = ("chat", "code", "translation", "summarization", "qa", "math")
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A named benchmark size.
+
+    Attributes:
+        name: ``smoke``, ``quick`` or ``full``.
+        max_new_tokens: tokens generated per prompt.
+        repeats: timed repeats (median and spread are reported).
+        prompts_per_category: first N prompts of each category (``None``: all).
+        tiny: random tiny Llama models built in-process instead of real weights.
+    """
+
+    name: str
+    max_new_tokens: int
+    repeats: int
+    prompts_per_category: int | None
+    tiny: bool = False
+
+
+SUITES = {
+    "smoke": Suite("smoke", 16, 2, None, tiny=True),
+    "quick": Suite("quick", 32, 1, 1),
+    "full": Suite("full", 128, 3, None),
+}
+
+
+@dataclass
+class BenchPrompt:
+    """One prompt: ``messages`` in chat format, ``input_ids`` once tokenized."""
+
+    id: str
+    category: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BenchOptions:
+    """Everything one bench run needs (the CLI fills it)."""
+
+    suite: str = "smoke"
+    device: str = "cpu"
+    draft_device: str | None = None
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    max_new_tokens: int | None = None
+    repeats: int | None = None
+    prompts_per_category: int | None = None
+    decoders: tuple[str, ...] = DECODERS
+    num_draft_tokens: int = 4
+    threads: int | None = None
+    cuda_graphs: bool = False
+    prompts_dir: Path = DEFAULT_PROMPTS
+    out: Path = Path("benchmarks/results")
+    tag: str = ""
+    notes: list[str] = field(default_factory=list)
+    command: str = ""
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+
+def load_prompts(directory: Path, per_category: int | None = None) -> list[BenchPrompt]:
+    """Read every ``*.jsonl`` in ``directory`` (one ``{id, category, messages}`` object a line).
+
+    Returns:
+        Prompts ordered by :data:`CATEGORIES`, then by id; only the first ``per_category`` of each
+        category when given.
+
+    Raises:
+        ValueError: a malformed entry, an unknown category or role, or a duplicate id.
+    """
+    files = sorted(Path(directory).glob("*.jsonl"))
+    if not files:
+        raise ValueError(f"no *.jsonl prompt files in {directory}")
+    seen: dict[str, BenchPrompt] = {}
+    for f in files:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{f.name}:{n}"
+            rec = json.loads(line)
+            if not {"id", "category", "messages"} <= set(rec):
+                raise ValueError(f"{where}: needs id, category and messages")
+            if rec["category"] not in CATEGORIES:
+                raise ValueError(f"{where}: category {rec['category']!r} is not one of {CATEGORIES}")
+            msgs = rec["messages"]
+            if not msgs or any(m.get("role") not in _ROLES or not m.get("content") for m in msgs):
+                raise ValueError(f"{where}: messages must be non-empty {{role, content}} with roles {_ROLES}")
+            if msgs[-1]["role"] != "user":
+                raise ValueError(f"{where}: the last message must be the user's")
+            if rec["id"] in seen:
+                raise ValueError(f"{where}: duplicate id {rec['id']!r}")
+            seen[rec["id"]] = BenchPrompt(rec["id"], rec["category"], msgs)
+    out: list[BenchPrompt] = []
+    for cat in CATEGORIES:
+        group = sorted((p for p in seen.values() if p.category == cat), key=lambda p: p.id)
+        out += group[:per_category] if per_category is not None else group
+    return out
+
+
+def tokenize_prompts(prompts: list[BenchPrompt], tokenizer: Any) -> None:
+    """Fill ``input_ids`` through the tokenizer's chat template (generation prompt added)."""
+    for p in prompts:
+        text = tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
+        p.input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def smoke_prompts(seed: int = 0, vocab: int = 256) -> list[BenchPrompt]:
+    """Two prompts of seeded random ids (ids >= 3 keep clear of pad/bos/eos)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        BenchPrompt(f"random-{i:02d}", cat, input_ids=torch.randint(3, vocab, (n,), generator=g).tolist())
+        for i, (cat, n) in enumerate((("chat", 12), ("code", 24)), 1)
+    ]
+
+
+# --------------------------------------------------------------------------------------------- run
+
+
+def _sync(devices: Sequence[str]) -> None:
+    for d in set(devices):
+        if torch.device(d).type == "cuda":
+            torch.cuda.synchronize(torch.device(d))
+
+
+def _timed(
+    dec: Decoder, ids: torch.Tensor, max_new: int, devices: Sequence[str]
+) -> tuple[DecodeOutput, float]:
+    _sync(devices)
+    t0 = time.perf_counter()
+    out = dec.run(ids, max_new)
+    _sync(devices)
+    return out, time.perf_counter() - t0
+
+
+def _measure(
+    decoders: list[Decoder], prompts: list[BenchPrompt], repeats: int, max_new: int, devices: Sequence[str]
+) -> list[RunRecord]:
+    """Warm every decoder up, then time repeat -> prompt -> decoder; mark matches with the baseline."""
+    warm = torch.tensor([prompts[0].input_ids[-16:]], dtype=torch.long)
+    for dec in decoders:  # first calls pay for lazy init, allocator growth, kernel selection
+        t0 = time.perf_counter()
+        _timed(dec, warm, min(6, max_new), devices)
+        logger.info("warm-up %-22s %.2f s", dec.name, time.perf_counter() - t0)
+    records: list[RunRecord] = []
+    tokens: dict[tuple[str, str], list[int]] = {}  # first repeat's new tokens per (decoder, prompt)
+    for rep in range(repeats):
+        for p in prompts:
+            ids = torch.tensor([p.input_ids], dtype=torch.long)
+            for dec in decoders:
+                out, dt = _timed(dec, ids, max_new, devices)
+                drafted, accepted, elig, acc = rounds_to_counts(out.rounds)
+                records.append(
+                    RunRecord(
+                        decoder=dec.name, prompt_id=p.id, category=p.category, repeat=rep,
+                        prompt_tokens=len(p.input_ids), new_tokens=len(out.tokens), time_s=dt,
+                        rounds=len(out.rounds), drafted=drafted, accepted=accepted,
+                        pos_eligible=elig, pos_accepted=acc, split_s=out.split_s,
+                    )
+                )  # fmt: skip
+                tokens.setdefault((dec.name, p.id), out.tokens)
+                tps = len(out.tokens) / dt if dt > 0 else 0.0
+                logger.info("repeat %d %-16s %-22s %3d tokens %7.2f s (%6.2f tok/s)",
+                            rep, p.id, dec.name, len(out.tokens), dt, tps)  # fmt: skip
+    for r in records:
+        base = tokens.get((BASELINE, r.prompt_id))
+        if base is not None:
+            mine = tokens[(r.decoder, r.prompt_id)]
+            r.matches_baseline = mine == base
+            r.first_diff = first_difference(mine, base)
+    return records
+
+
+def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Run the suite and write ``<out>/<machine>-<date>[...].{json,md,png}``.
+
+    Returns:
+        The results dict written to the JSON file, with ``"files"`` naming what was written.
+    """
+    suite = SUITES[opts.suite]
+    max_new = opts.max_new_tokens or suite.max_new_tokens
+    repeats = opts.repeats or suite.repeats
+    unknown = set(opts.decoders) - set(DECODERS)
+    if unknown:
+        raise ValueError(f"unknown decoders {sorted(unknown)}; choose from {', '.join(DECODERS)}")
+    old_threads = torch.get_num_threads()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    try:
+        return _run(opts, suite, max_new, repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[str, Any]:
+    load0 = os.getloadavg()
+    t_start = time.perf_counter()
+    models = load_models(suite.tiny, opts.device, opts.draft_device, opts.target, opts.draft, opts.dtype)
+    if suite.tiny:
+        prompts = smoke_prompts()
+    else:
+        per_cat = (
+            opts.prompts_per_category if opts.prompts_per_category is not None else suite.prompts_per_category
+        )
+        prompts = load_prompts(opts.prompts_dir, per_cat)
+        tokenize_prompts(prompts, models.tokenizer)
+    devices = [models.device, models.draft_device]
+    decoders, skipped = build_decoders(models, opts.decoders, opts.num_draft_tokens, opts.cuda_graphs)
+    logger.info(
+        "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
+    )
+    try:
+        records = _measure(decoders, prompts, repeats, max_new, devices)
+    finally:
+        for dec in decoders:
+            dec.close()
+    names = [d.name for d in decoders]
+    categories = [c for c in CATEGORIES if any(p.category == c for p in prompts)]
+    info = machine_info(devices)
+    info["slug"] = machine_slug(info)
+    notes = list(opts.notes)
+    load1 = os.getloadavg()
+    if all(torch.device(d).type == "cpu" for d in devices):
+        notes.append(
+            f"CPU timings: the cores may be shared with other processes, so absolute numbers are noisy; "
+            f"1-minute load average {load0[0]:.1f} at start and {load1[0]:.1f} at end on {info['cpu_cores']} cores"
+        )
+    now = time.gmtime()
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
+        "command": opts.command,
+        "machine": info,
+        "config": {
+            "suite": suite.name,
+            "target": models.target_name,
+            "draft": models.draft_name,
+            "dtype": models.dtype,
+            "device": models.device,
+            "draft_device": models.draft_device,
+            "max_new_tokens": max_new,
+            "repeats": repeats,
+            "num_draft_tokens": opts.num_draft_tokens,
+            "cuda_graphs": opts.cuda_graphs,
+            "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+            "num_prompts": len(prompts),
+            "prompt_ids": [p.id for p in prompts],
+            "categories": categories,
+            "decoders": names,
+            "skipped": skipped,
+            "greedy": True,
+            "eos_token_ids": models.eos_token_ids,
+        },
+        "decoder_labels": {d.name: d.label for d in decoders},
+        "notes": notes,
+        "wall_time_s": time.perf_counter() - t_start,
+        "summary": summarize(records, names, categories, BASELINE, ASSISTED),
+        "runs": [asdict(r) for r in records],
+    }
+    stem = f"{info['slug']}-{time.strftime('%Y-%m-%d', now)}" + ("-smoke" if suite.tiny else "")
+    stem += f"-{opts.tag}" if opts.tag else ""
+    opts.out.mkdir(parents=True, exist_ok=True)
+    files = {
+        "json": opts.out / f"{stem}.json",
+        "md": opts.out / f"{stem}.md",
+        "png": opts.out / f"{stem}.png",
+    }
+    files["md"].write_text(to_markdown(result), encoding="utf-8")
+    if not write_plot(result, files["png"]):
+        del files["png"]
+    result["files"] = {k: str(v) for k, v in files.items()}
+    files["json"].write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return result
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    """Register ``specsplit bench`` on the top-level sub-parsers."""
+    p = sub.add_parser("bench", help="benchmark SpecSplit against Hugging Face baselines on the same prompts")
+    p.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        default="quick",
+        help="smoke: tiny random models, <1 min; quick: Qwen pair, 1 prompt per category, 32 tokens; "
+        "full: all prompts, 128 tokens, 3 repeats",
+    )
+    p.add_argument("--device", default=None, help="target device (default cuda:0 if available, else cpu)")
+    p.add_argument("--draft-device", default=None, help="draft device (default: --device)")
+    p.add_argument("--target", default=None, help="target alias or directory (default: the Qwen 1.5B)")
+    p.add_argument(
+        "--draft", default=None, help="draft alias or directory, or self:N (first N target layers)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override the suite's token count")
+    p.add_argument("--repeats", type=int, default=None, help="override the suite's timed repeats")
+    p.add_argument("--prompts-per-category", type=int, default=None, help="override the suite's prompt count")
+    p.add_argument(
+        "--decoders", default=",".join(DECODERS), help=f"comma-separated subset of {','.join(DECODERS)}"
+    )
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=4, help="K for hf-assisted and the SpecSplit chain"
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="SpecSplit engines replay fixed-shape steps from CUDA graphs",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="directory of *.jsonl prompt files")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results directory")
+    p.add_argument("--tag", default="", help="suffix for the result file names")
+    p.add_argument("--note", action="append", default=[], help="a note stored with the results (repeatable)")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="run nothing: rewrite the .md and .png next to an existing results .json",
+    )
+    p.set_defaults(func=_cmd_bench)
+
+
+def _rerender(path: Path) -> int:
+    """Write ``<stem>.md`` and ``<stem>.png`` from ``<stem>.json`` (e.g. a GPU run without matplotlib)."""
+    result = json.loads(path.read_text(encoding="utf-8"))
+    if result.get("schema") != SCHEMA:
+        print(f"specsplit bench: {path} is not a {SCHEMA} results file", file=sys.stderr)
+        return 2
+    md, png = path.with_suffix(".md"), path.with_suffix(".png")
+    md.write_text(to_markdown(result), encoding="utf-8")
+    print(f"wrote md: {md}")
+    if write_plot(result, png):
+        print(f"wrote png: {png}")
+    return 0
+
+
+def _command_line(args: argparse.Namespace, device: str) -> str:
+    """The command that reproduces this run, every option spelled out with the value used."""
+    parts = ["specsplit", "bench", "--suite", args.suite, "--device", device]
+    for opt in (
+        "draft_device",
+        "target",
+        "draft",
+        "max_new_tokens",
+        "repeats",
+        "prompts_per_category",
+        "tag",
+    ):
+        val = getattr(args, opt)
+        if val not in (None, ""):
+            parts += [f"--{opt.replace('_', '-')}", str(val)]
+    parts += ["--dtype", args.dtype, "--num-draft-tokens", str(args.num_draft_tokens)]
+    if args.threads:
+        parts += ["--threads", str(args.threads)]
+    if args.cuda_graphs:
+        parts.append("--cuda-graphs")
+    parts += ["--decoders", args.decoders, "--out", str(args.out)]
+    if Path(args.prompts).resolve() != DEFAULT_PROMPTS:
+        parts += ["--prompts", str(args.prompts)]
+    return shlex.join(parts)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "verbose", 0) == 0:  # long runs: show progress
+        logging.getLogger(__name__).setLevel(logging.INFO)
+    if args.from_json is not None:
+        return _rerender(args.from_json)
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    opts = BenchOptions(
+        suite=args.suite,
+        device=device,
+        draft_device=args.draft_device,
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        prompts_per_category=args.prompts_per_category,
+        decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()),
+        num_draft_tokens=args.num_draft_tokens,
+        threads=args.threads,
+        cuda_graphs=args.cuda_graphs,
+        prompts_dir=args.prompts,
+        out=args.out,
+        tag=args.tag,
+        notes=list(args.note),
+        command=_command_line(args, device),
+    )
+    counts = (
+        opts.num_draft_tokens,
+        opts.max_new_tokens,
+        opts.repeats,
+        opts.prompts_per_category,
+        opts.threads,
+    )
+    if any(x is not None and x < 1 for x in counts):
+        print(
+            "specsplit bench: --num-draft-tokens, --max-new-tokens, --repeats, --prompts-per-category "
+            "and --threads must be >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        result = run_bench(opts)
+    except ValueError as e:
+        print(f"specsplit bench: error: {e}", file=sys.stderr)
+        return 2
+    print(to_markdown(result))
+    for kind, path in result["files"].items():
+        print(f"wrote {kind}: {path}")
+    return 0

@@ -1,0 +1,393 @@
+"""The decoders ``specsplit bench`` compares, built over ONE set of loaded models.
+
+===========================  =============================================================================
+``hf-target``                (a) ``target.generate()``: the baseline every speedup and exact match refers to
+``hf-assisted``              (b) HF assisted generation with the draft, K tokens, constant, no confidence stop
+``hf-assisted-default``      (b') HF assisted generation with the library's default schedule
+``hf-prompt-lookup``         (c) HF prompt-lookup decoding, 10 tokens
+``specsplit-target-only``    (d) our engine without a draft (our own target-only decode)
+``specsplit-chain``          (d) chain of K draft tokens
+``specsplit-static``         (d) the default static tree
+``specsplit-dynamic``        (d) the default dynamic (EAGLE-2 style) tree
+``specsplit-grpc``           (e) chain of K over gRPC, both workers in this process on loopback ports
+===========================  =============================================================================
+
+Every decoder gets the same greedy ``GenerationConfig`` (:meth:`BenchModels.generation_config`) and
+returns the new tokens plus ``(drafted depth, accepted)`` per round, so tau and acceptance by depth
+are comparable across libraries.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DECODERS = (
+    "hf-target",
+    "hf-assisted",
+    "hf-assisted-default",
+    "hf-prompt-lookup",
+    "specsplit-target-only",
+    "specsplit-chain",
+    "specsplit-static",
+    "specsplit-dynamic",
+    "specsplit-grpc",
+)
+BASELINE, ASSISTED = "hf-target", "hf-assisted"
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class BenchModels:
+    """The loaded models and what every decoder shares."""
+
+    target: Any  # a loaded HF causal LM (PreTrainedModel)
+    draft: Any  # a loaded HF causal LM, or None
+    tokenizer: Any
+    target_name: str
+    draft_name: str
+    dtype: str
+    device: str
+    draft_device: str
+    eos_token_ids: list[int]
+    pad_token_id: int
+
+    def generation_config(self, max_new_tokens: int) -> Any:
+        """The one greedy ``GenerationConfig`` every decoder runs with (EOS kept, explicit pad)."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+        )
+
+
+@dataclass
+class DecodeOutput:
+    """What one decoder call returns: new tokens, ``(drafted depth, accepted)`` per round, time split."""
+
+    tokens: list[int]
+    rounds: list[tuple[int, int]]
+    split_s: dict[str, float] | None = None
+
+
+@dataclass
+class Decoder:
+    """A named way to generate: ``run(input_ids [1, prompt], max_new_tokens) -> DecodeOutput``."""
+
+    name: str
+    label: str
+    run: Callable[[torch.Tensor, int], DecodeOutput]
+    close: Callable[[], None] = lambda: None
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+def tiny_models(seed: int = 0, noise: float = 0.002) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A seeded tiny Llama target and a draft that is the target plus noise (partial acceptance).
+
+    Both LM heads are scaled up so next-token distributions are peaked: float32 greedy decoding is
+    then free of numerical near-ties and every decoder must reproduce the baseline exactly.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's RNG state
+        torch.manual_seed(seed)
+        target = LlamaForCausalLM(cfg).eval()
+        draft = LlamaForCausalLM(cfg).eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g))
+        for m in (target, draft):
+            m.get_output_embeddings().weight.mul_(8.0)
+    return target, draft
+
+
+def _torch_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_models(
+    tiny: bool,
+    device: str,
+    draft_device: str | None = None,
+    target_name: str | None = None,
+    draft_name: str | None = None,
+    dtype_name: str = "auto",
+) -> BenchModels:
+    """Load the models every decoder shares.
+
+    Args:
+        tiny: build the seeded tiny random pair (:func:`tiny_models`, float32) instead of real weights.
+        device: target device.
+        draft_device: draft device (default ``device``).
+        target_name: target alias or directory (default the Qwen 1.5B).
+        draft_name: draft alias or directory, or ``self:N`` (the target's first N layers).
+        dtype_name: ``auto`` (bf16 on CUDA, fp32 on CPU) or a dtype name.
+
+    Raises:
+        ValueError: a non-default target without a draft, or a ``self:N`` draft on another device.
+    """
+    draft_device = draft_device or device
+    dtype = _torch_dtype(dtype_name, device)
+    if tiny:
+        if target_name or draft_name:
+            logger.warning("the smoke suite uses tiny random models; --target/--draft are ignored")
+        tiny_target, tiny_draft = tiny_models()
+        tiny_target.to(device, torch.float32)
+        tiny_draft.to(draft_device, torch.float32)
+        names = ("tiny-llama-random", "tiny-llama-random+noise")
+        return BenchModels(tiny_target, tiny_draft, None, *names, "float32", device, draft_device, [2], 0)
+    from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
+    from specsplit.self_draft import truncated_draft
+
+    draft_name = draft_name or (DEFAULT_DRAFT if target_name in (None, DEFAULT_TARGET) else "")
+    target_name = target_name or DEFAULT_TARGET
+    if not draft_name:
+        raise ValueError("--draft is needed with a non-default --target (an alias, a path or self:N)")
+    t0 = time.perf_counter()
+    target = load_model(target_name, dtype=dtype, device=device)
+    if draft_name.startswith("self:"):
+        if draft_device != device:
+            raise ValueError("a self:N draft shares the target's weights: it cannot use another device")
+        draft: Any = truncated_draft(target, int(draft_name.split(":", 1)[1]))
+        # the shallow copy shares the target's generation config; HF assisted generation edits the draft's
+        draft.generation_config = copy.deepcopy(target.generation_config)
+    else:
+        draft = load_model(draft_name, dtype=dtype, device=draft_device)
+    tok = load_tokenizer(target_name)
+    logger.info("loaded %s and %s (%s) in %.1f s", target_name, draft_name, dtype, time.perf_counter() - t0)
+    eos = target.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
+        eos_ids.append(int(tok.eos_token_id))
+    pad = target.generation_config.pad_token_id
+    pad = int(pad if pad is not None else (tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]))
+    return BenchModels(target, draft, tok, target_name, draft_name, str(dtype).removeprefix("torch."),
+                       device, draft_device, eos_ids, pad)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- decoders
+
+
+class _RoundRecorder:
+    """Records ``(candidates, matches)`` of each HF assisted-decoding round.
+
+    HF reports neither; its loop calls ``candidate_generator.update_candidate_strategy(input_ids,
+    scores, num_matches)`` once per round with `scores` `[1, candidates + 1, vocab]`, so this wraps
+    the instance's ``_get_candidate_generator`` for the duration of one call. Values are read after
+    the timed region (``num_matches`` may be a device tensor).
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.raw: list[tuple[int, Any]] = []
+
+    def __enter__(self) -> _RoundRecorder:
+        bound = self.model._get_candidate_generator
+        raw = self.raw
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            gen = bound(*args, **kwargs)
+            update = gen.update_candidate_strategy
+
+            def recording(input_ids: Any, scores: torch.Tensor, num_matches: Any) -> Any:
+                raw.append((int(scores.shape[1]) - 1, num_matches))
+                return update(input_ids, scores, num_matches)
+
+            gen.update_candidate_strategy = recording
+            return gen
+
+        self.model.__dict__["_get_candidate_generator"] = patched
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.__dict__.pop("_get_candidate_generator", None)
+
+    def rounds(self) -> list[tuple[int, int]]:
+        return [(d, int(m)) for d, m in self.raw]
+
+
+def _assistant_config(base: Any, constant_k: int | None) -> Any:
+    """The draft's generation config for one assisted call (HF reads the schedule from the assistant)."""
+    from transformers import GenerationConfig
+
+    gc = copy.deepcopy(base)
+    defaults = GenerationConfig()._get_default_generation_params()
+    if constant_k is None:  # the library's defaults, reset at every call (some are adapted in place)
+        for k in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+            setattr(gc, k, defaults[k])
+    else:
+        gc.num_assistant_tokens = constant_k
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = 0.0  # 0 disables the early stop: exactly K tokens a round
+    return gc
+
+
+def _hf_decoder(name: str, label: str, m: BenchModels, assisted_k: int | None = None, lookup: bool = False,
+                assistant_defaults: bool = False) -> Decoder:  # fmt: skip
+    base_draft_gc = copy.deepcopy(m.draft.generation_config) if m.draft is not None else None
+    speculative = lookup or assisted_k is not None or assistant_defaults
+
+    @torch.inference_mode()
+    def run(ids: torch.Tensor, max_new: int) -> DecodeOutput:
+        gc = m.generation_config(max_new)
+        kwargs: dict[str, Any] = {}
+        if lookup:
+            gc.prompt_lookup_num_tokens = PROMPT_LOOKUP_TOKENS
+        elif assisted_k is not None or assistant_defaults:
+            assert m.draft is not None
+            m.draft.generation_config = _assistant_config(
+                base_draft_gc, None if assistant_defaults else assisted_k
+            )
+            kwargs["assistant_model"] = m.draft
+        ids = ids.to(m.device)
+        with _RoundRecorder(m.target) as rec:
+            out = m.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                                    **kwargs)  # fmt: skip
+        if m.draft is not None:
+            m.draft.generation_config = copy.deepcopy(base_draft_gc)
+        new = out[0, ids.shape[1] :].tolist()
+        rounds = rec.rounds() if speculative else [(0, 0)] * len(new)
+        return DecodeOutput(new, rounds)
+
+    return Decoder(name, label, run)
+
+
+def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: Callable[[], None]) -> Decoder:
+    def run(ids: torch.Tensor, max_new: int) -> DecodeOutput:
+        out = gen.generate(ids, generation_config=m.generation_config(max_new), return_dict_in_generate=True)
+        rs = out.spec_stats.rounds
+        split = {
+            "draft": sum(r.draft_s for r in rs),
+            "verify": sum(r.verify_s for r in rs),
+            "transport": sum(r.transport_s for r in rs),
+            "host": sum(r.host_s for r in rs),
+        }
+        new = out.sequences[0, ids.shape[1] :].tolist()
+        return DecodeOutput(new, [(r.drafted_depth, r.accepted) for r in rs], split)
+
+    return Decoder(name, label, run, close)
+
+
+def _grpc_decoder(m: BenchModels, tree: Any, sync: bool, graphs: bool) -> Decoder | str:
+    """Both workers in this process on loopback ports; a string says why it is unavailable."""
+    try:
+        from specsplit.remote import serve_draft, serve_target
+    except ImportError as e:
+        return f"specsplit.remote is not importable ({e})"
+    from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig
+    from specsplit.draft import DraftEngine
+    from specsplit.generator import SpecSplitGenerator
+    from specsplit.target import TargetEngine
+
+    d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs))
+    t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs))
+    d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
+    t_srv = serve_target(t_engine, port=0, host="127.0.0.1")
+    cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
+                          tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0)  # fmt: skip
+    gen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
+
+    def close() -> None:
+        gen.close()
+        for srv in (d_srv, t_srv):
+            srv.stop(grace=1.0, shutdown_engine=True)
+
+    label = f"SpecSplit chain K={tree.num_draft_tokens} over gRPC, both workers in-process on loopback"
+    return _specsplit_decoder("specsplit-grpc", label, m, gen, close)
+
+
+def build_decoders(
+    m: BenchModels, names: Sequence[str], k: int, cuda_graphs: bool = False
+) -> tuple[list[Decoder], dict[str, str]]:
+    """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
+
+    Args:
+        m: the shared models.
+        names: decoder names to build.
+        k: draft tokens per round for ``hf-assisted`` and the SpecSplit chain.
+        cuda_graphs: SpecSplit engines replay their fixed-shape steps from CUDA graphs
+            (``DraftConfig/TargetConfig.cuda_graphs``; eager on CPU).
+    """
+    from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig, TreeConfig
+    from specsplit.generator import SpecSplitGenerator
+
+    sync = torch.device(m.device).type == "cuda" or torch.device(m.draft_device).type == "cuda"
+    trees = {
+        "specsplit-chain": TreeConfig(shape="chain", num_draft_tokens=k),
+        "specsplit-static": TreeConfig(shape="static"),
+        "specsplit-dynamic": TreeConfig(shape="dynamic"),
+    }
+    labels = {
+        "hf-target": "HF generate(), target only, greedy (baseline a)",
+        "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
+        "hf-assisted-default": "HF assisted generation, library default schedule and confidence threshold",
+        "hf-prompt-lookup": f"HF prompt-lookup decoding, {PROMPT_LOOKUP_TOKENS} tokens",
+        "specsplit-target-only": "SpecSplit engine without a draft (our target-only decode)",
+        "specsplit-chain": f"SpecSplit local, chain of K={k}",
+        "specsplit-static": f"SpecSplit local, default static tree ({trees['specsplit-static'].max_nodes} nodes, "
+        f"depth {trees['specsplit-static'].depth_limit})",
+        "specsplit-dynamic": "SpecSplit local, dynamic tree (top-{0.topk}, width {0.width}, budget {0.budget}, "
+        "depth {0.max_depth})".format(trees["specsplit-dynamic"]),
+    }
+    if cuda_graphs:
+        labels = {n: (f"{v}, CUDA graphs" if n.startswith("specsplit") else v) for n, v in labels.items()}
+    decoders: list[Decoder] = []
+    skipped: dict[str, str] = {}
+    try:
+        for name in DECODERS:
+            if name not in names:
+                continue
+            if m.draft is None and name not in ("hf-target", "hf-prompt-lookup", "specsplit-target-only"):
+                skipped[name] = "no draft model"
+                continue
+            if name == "hf-target":
+                decoders.append(_hf_decoder(name, labels[name], m))
+            elif name == "hf-assisted":
+                decoders.append(_hf_decoder(name, labels[name], m, assisted_k=k))
+            elif name == "hf-assisted-default":
+                decoders.append(_hf_decoder(name, labels[name], m, assistant_defaults=True))
+            elif name == "hf-prompt-lookup":
+                decoders.append(_hf_decoder(name, labels[name], m, lookup=True))
+            elif name == "specsplit-grpc":
+                dec = _grpc_decoder(m, trees["specsplit-chain"], sync, cuda_graphs)
+                if isinstance(dec, str):
+                    logger.warning("skipping specsplit-grpc: %s", dec)
+                    skipped[name] = dec
+                else:
+                    decoders.append(dec)
+            else:
+                draft = None if name == "specsplit-target-only" else m.draft
+                cfg = SpecSplitConfig(
+                    tree=copy.deepcopy(trees.get(name, trees["specsplit-chain"])),
+                    sync_timing=sync,
+                    draft=DraftConfig(cuda_graphs=cuda_graphs),
+                    target=TargetConfig(cuda_graphs=cuda_graphs),
+                )
+                gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)
+                decoders.append(_specsplit_decoder(name, labels[name], m, gen, gen.close))
+    except BaseException:  # a failed worker start must not leak the servers already running
+        for dec in decoders:
+            dec.close()
+        raise
+    return decoders, skipped

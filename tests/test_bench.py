@@ -1,0 +1,221 @@
+"""`specsplit bench`: the smoke suite end to end, the prompt set, and the aggregation arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from specsplit.bench import CATEGORIES, DEFAULT_PROMPTS, SCHEMA, load_prompts
+from specsplit.bench_decoders import DECODERS
+from specsplit.bench_report import RunRecord, first_difference, rounds_to_counts, summarize
+from specsplit.cli import main
+
+SPECULATIVE = ("hf-assisted", "specsplit-chain", "specsplit-static", "specsplit-dynamic", "specsplit-grpc")
+_METRICS = {
+    "prompts": int,
+    "new_tokens_per_prompt": float,
+    "tokens_per_s": dict,
+    "speedup_vs_hf_target": dict,
+    "speedup_vs_hf_assisted": dict,
+    "rounds": int,
+    "tau": float,
+    "per_position_acceptance": list,
+    "exact_match_rate": float,
+    "mismatched_prompts": list,
+}
+
+
+def _grpc_available() -> bool:
+    try:
+        import specsplit.remote  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "--suite", "smoke", "--device", "cpu", "--out", str(out)]) == 0
+    files = list(out.glob("*-smoke.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text()), out
+
+
+def test_smoke_json_schema(smoke: tuple[dict, Path]) -> None:
+    result, _ = smoke
+    assert result["schema"] == SCHEMA
+    for key in ("created_utc", "command", "machine", "config", "decoder_labels", "notes", "summary", "runs"):
+        assert key in result, key
+    assert result["command"].startswith("specsplit bench --suite smoke --device cpu")
+    machine = result["machine"]
+    assert machine["slug"].startswith("cpu-") and machine["slug"].endswith("core")
+    for key in ("torch", "transformers", "python", "cpu", "cpu_cores", "torch_threads"):
+        assert machine[key], key
+    cfg = result["config"]
+    assert (cfg["suite"], cfg["max_new_tokens"], cfg["repeats"], cfg["num_prompts"]) == ("smoke", 16, 2, 2)
+    expected = [d for d in DECODERS if d != "specsplit-grpc" or _grpc_available()]
+    assert cfg["decoders"] == expected
+    if not _grpc_available():
+        assert "specsplit-grpc" in cfg["skipped"]
+    assert set(result["summary"]) == set(expected)
+    for name in expected:
+        entry = result["summary"][name]
+        assert set(entry["by_category"]) == {"chat", "code"}
+        for scope in (entry["overall"], *entry["by_category"].values()):
+            for key, typ in _METRICS.items():
+                assert isinstance(scope[key], typ), (name, key, scope[key])
+            assert (
+                scope["tokens_per_s"]["min"]
+                <= scope["tokens_per_s"]["median"]
+                <= scope["tokens_per_s"]["max"]
+            )
+            assert scope["tokens_per_s"]["median"] > 0
+    assert len(result["runs"]) == len(expected) * 2 * 2  # decoders x prompts x repeats
+    for run in result["runs"]:
+        assert run["time_s"] > 0 and run["new_tokens"] > 0
+
+
+def test_smoke_every_decoder_matches_hf_generate(smoke: tuple[dict, Path]) -> None:
+    """Float32 tiny models with peaked distributions: every decoder reproduces (a) token for token."""
+    result, _ = smoke
+    for name, entry in result["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, (name, entry["overall"]["mismatched_prompts"])
+        assert entry["overall"]["mismatched_prompts"] == []
+    assert all(run["matches_baseline"] is True for run in result["runs"])
+
+
+def test_smoke_speculative_decoders_draft_and_accept(smoke: tuple[dict, Path]) -> None:
+    """The draft is the target plus a little noise: drafts are partly accepted, by both libraries."""
+    result, _ = smoke
+    summary = result["summary"]
+    for name in SPECULATIVE:
+        if name not in summary:
+            continue
+        m = summary[name]["overall"]
+        assert m["tau"] > 1.2, (name, m["tau"])
+        assert 0.0 < m["acceptance_rate"] < 1.0, (name, m["acceptance_rate"])
+        assert m["per_position_acceptance"], name
+    k = result["config"]["num_draft_tokens"]
+    for name in ("hf-assisted", "specsplit-chain"):  # same draft, same K, same greedy rule: same rounds
+        assert len(summary[name]["overall"]["per_position_acceptance"]) == k
+    assert summary["hf-assisted"]["overall"]["tau"] == pytest.approx(
+        summary["specsplit-chain"]["overall"]["tau"]
+    )
+    assert summary["hf-target"]["overall"]["tau"] == 1.0
+    split = summary["specsplit-chain"]["overall"]["time_split_ms_per_round"]
+    assert set(split) == {"draft", "verify", "transport", "host"} and split["verify"] > 0
+    assert summary["hf-target"]["overall"]["time_split_ms_per_round"] is None
+    assert summary["hf-target"]["overall"]["speedup_vs_hf_target"]["median"] == pytest.approx(1.0)
+
+
+def test_smoke_writes_table_and_plot(smoke: tuple[dict, Path]) -> None:
+    result, out = smoke
+    md = Path(result["files"]["md"])
+    assert md.parent == out and md.is_file()
+    text = md.read_text()
+    assert "| decoder | tokens/s |" in text
+    for name in result["config"]["decoders"]:
+        assert f"| `{name}` |" in text
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = Path(result["files"]["png"])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "png" not in result["files"]
+
+
+def test_prompt_set_covers_six_categories() -> None:
+    prompts = load_prompts(DEFAULT_PROMPTS)
+    assert len(prompts) >= 48
+    assert len({p.id for p in prompts}) == len(prompts)
+    for cat in CATEGORIES:
+        group = [p for p in prompts if p.category == cat]
+        assert len(group) >= 8, cat
+    for p in prompts:
+        assert p.messages[-1]["role"] == "user"
+        if p.category == "chat":  # multi-turn: earlier turns given as messages
+            assert any(m["role"] == "assistant" for m in p.messages), p.id
+        if p.category in ("summarization", "qa"):  # the passage is part of the prompt
+            assert len(p.messages[-1]["content"]) > 400, p.id
+    quick = load_prompts(DEFAULT_PROMPTS, per_category=1)
+    assert [p.category for p in quick] == list(CATEGORIES)
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('{"id": "a", "category": "poetry", "messages": [{"role": "user", "content": "x"}]}', "category"),
+        ('{"id": "a", "category": "code", "messages": [{"role": "robot", "content": "x"}]}', "roles"),
+        (
+            '{"id": "a", "category": "code", "messages": [{"role": "assistant", "content": "x"}]}',
+            "last message",
+        ),
+        ('{"id": "a", "category": "code"}', "needs id"),
+    ],
+)
+def test_load_prompts_rejects_malformed_entries(tmp_path: Path, line: str, match: str) -> None:
+    (tmp_path / "bad.jsonl").write_text(line + "\n")
+    with pytest.raises(ValueError, match=match):
+        load_prompts(tmp_path)
+
+
+def test_load_prompts_rejects_duplicate_ids(tmp_path: Path) -> None:
+    line = '{"id": "a", "category": "code", "messages": [{"role": "user", "content": "x"}]}\n'
+    (tmp_path / "p.jsonl").write_text(line * 2)
+    with pytest.raises(ValueError, match="duplicate"):
+        load_prompts(tmp_path)
+
+
+def test_rounds_to_counts_and_first_difference() -> None:
+    drafted, accepted, elig, acc = rounds_to_counts([(4, 4), (4, 1), (2, 0), (0, 0)])
+    assert (drafted, accepted) == (10, 5)
+    assert elig == [3, 3, 2, 2] and acc == [2, 1, 1, 1]
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def _rec(decoder: str, repeat: int, tokens: int, time_s: float, **kw: object) -> RunRecord:
+    return RunRecord(decoder, "p1", "code", repeat, 10, tokens, time_s, **kw)  # type: ignore[arg-type]
+
+
+def test_summarize_pairs_speedups_per_repeat() -> None:
+    records = [
+        _rec("hf-target", 0, 10, 1.0, rounds=10, matches_baseline=True),
+        _rec("hf-target", 1, 10, 2.0, rounds=10, matches_baseline=True),
+        _rec("hf-target", 2, 10, 1.0, rounds=10, matches_baseline=True),
+        _rec("hf-assisted", 0, 10, 0.5, rounds=4, drafted=16, accepted=6, pos_eligible=[4], pos_accepted=[3]),
+        _rec("hf-assisted", 1, 10, 1.0, rounds=4, drafted=16, accepted=6, pos_eligible=[4], pos_accepted=[3]),
+        _rec(
+            "hf-assisted", 2, 10, 0.25, rounds=4, drafted=16, accepted=6, pos_eligible=[4], pos_accepted=[3]
+        ),
+    ]
+    records[3].matches_baseline = False
+    s = summarize(records, ["hf-target", "hf-assisted"], ["code"], "hf-target", "hf-assisted")
+    m = s["hf-assisted"]["overall"]
+    assert m["tokens_per_s"] == {"median": 20.0, "min": 10.0, "max": 40.0}
+    # paired ratios per repeat: 20/10, 10/5, 40/10
+    assert m["speedup_vs_hf_target"] == {"median": 2.0, "min": 2.0, "max": 4.0}
+    assert m["tau"] == pytest.approx((18 + 12) / 12)
+    assert m["acceptance_rate"] == pytest.approx(18 / 48)
+    assert m["per_position_acceptance"] == [0.75]
+    assert m["exact_match_rate"] == 0.0 and m["mismatched_prompts"] == ["p1"]  # judged on the first repeat
+    assert s["hf-target"]["overall"]["exact_match_rate"] == 1.0
+    assert s["hf-target"]["by_category"]["code"]["speedup_vs_hf_assisted"]["median"] == 0.5
+
+
+def test_smoke_with_cuda_graphs_flag_stays_exact(tmp_path: Path) -> None:
+    """``--cuda-graphs`` switches the engines to their static-shape path (eager on CPU): same tokens."""
+    decoders = "hf-target,specsplit-target-only,specsplit-chain,specsplit-static"
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--repeats", "1"]
+    assert main([*argv, "--decoders", decoders, "--tag", "graphs", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-smoke-graphs.json")
+    result = json.loads(path.read_text())
+    assert result["config"]["cuda_graphs"] is True and "--cuda-graphs" in result["command"]
+    assert result["config"]["decoders"] == decoders.split(",")
+    for name, entry in result["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, name
+    assert result["summary"]["specsplit-chain"]["overall"]["tau"] > 1.2
