@@ -120,6 +120,7 @@ def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape
         params = DecodeParams(max_new_tokens=24, tree=cfg.tree)
         prompt = PROMPTS[0] + [11, 12, 13]
         torch.cuda.synchronize()
+        reads["n"] = 0
         # first round prefills (host work allowed); check the steady-state rounds
         out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
         torch.cuda.set_sync_debug_mode(0)
