@@ -18,6 +18,7 @@ from specsplit.config import DraftConfig, SamplingParams, TreeConfig
 from specsplit.engine_common import (
     PROTOCOL_VERSION,
     ModelRunner,
+    h2d,
     make_store,
     sync_device,
 )
@@ -289,24 +290,18 @@ class DraftEngine:
         pt = self._plans.get(key)
         if pt is None:
             dev = self.device
-            parents = torch.tensor(plan.parents, dtype=torch.long, device=dev)
+
+            def on_dev(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+                return h2d(torch.tensor(values, dtype=torch.long), dev)  # pinned: no host sync
+
+            parents = on_dev(plan.parents)
             levels = []
             prev: tuple[int, ...] = (-1,)
             for idx, par, rank in plan.levels:
-                local = torch.tensor([prev.index(p) for p in par], dtype=torch.long, device=dev)
-                levels.append(
-                    (
-                        local,
-                        torch.tensor(rank, dtype=torch.long, device=dev),
-                        torch.tensor(idx, dtype=torch.long, device=dev),
-                        idx[0],
-                        idx[-1] + 1,
-                        max(rank) + 1,
-                    )
-                )
+                local = on_dev([prev.index(p) for p in par])
+                levels.append((local, on_dev(rank), on_dev(idx), idx[0], idx[-1] + 1, max(rank) + 1))
                 prev = idx
-            depths = torch.tensor(plan.depths, dtype=torch.long, device=dev)
-            pt = _PlanTensors(parents, depths, ancestor_matrix(parents), tuple(levels))
+            pt = _PlanTensors(parents, on_dev(plan.depths), ancestor_matrix(parents), tuple(levels))
             self._plans[key] = pt
         return pt
 
