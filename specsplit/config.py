@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specsplit.errors import ConfigError
+from specsplit.partial_kv import SpecPVConfig
 from specsplit.tree import DEFAULT_STATIC_PATHS, StaticTreePlan, chain_plan, static_plan_from_paths
 
 TreeShape = Literal["chain", "static", "dynamic"]
@@ -119,6 +120,7 @@ class DraftConfig:
         cuda_graphs: run fixed-shape steps (padded ingest, tree levels) over a static workspace
             cache and replay them from CUDA graphs (on CPU the same static path runs eagerly).
         graph_capacity: slots of that workspace (the longest session it serves).
+        max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
     """
 
     model: str | None = None
@@ -129,6 +131,9 @@ class DraftConfig:
     session_ttl_s: float = 600.0
     cuda_graphs: bool = False
     graph_capacity: int = 2048
+    max_tree_nodes: int = 256
+    max_tree_depth: int = 64
+    max_context: int = 32768
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, "draft")
@@ -151,6 +156,10 @@ class TargetConfig:
         max_context: largest prompt + generation a session may grow to.
         stateless: keep no KV between requests (every request must carry the full context).
         cuda_graphs / graph_capacity: as for :class:`DraftConfig` (the verify step of a fixed tree).
+        specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
+            Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
+            (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
+            In gRPC mode it is the target worker's setting (``specsplit serve target --specpv``).
     """
 
     model: str | None = None
@@ -165,9 +174,11 @@ class TargetConfig:
     stateless: bool = False
     cuda_graphs: bool = False
     graph_capacity: int = 2048
+    specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype, "target")
+        self.specpv = SpecPVConfig.from_any(self.specpv)
         if self.max_tree_nodes < 1 or self.max_tree_depth < 1:
             raise ConfigError("target.max_tree_nodes and target.max_tree_depth must be >= 1")
         if self.max_context < 2:
@@ -213,6 +224,7 @@ class SpecSplitConfig:
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        self.target.specpv.check_tree(self.tree.max_nodes, self.tree.depth_limit)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -260,7 +272,9 @@ class SpecSplitConfig:
                 sec_cls = {"draft": DraftConfig, "target": TargetConfig, "tree": TreeConfig}[f.name]
                 for sf in dataclasses.fields(sec_cls):
                     key = f"SPECSPLIT_{f.name}_{sf.name}".upper()
-                    if key in env:
+                    if sf.name == "specpv":
+                        d[f.name][sf.name] = _specpv_env(env, key, d[f.name][sf.name])
+                    elif key in env:
                         d[f.name][sf.name] = _parse(env[key], sf.type, key)
             else:
                 key = f"SPECSPLIT_{f.name}".upper()
@@ -276,6 +290,24 @@ def _defaults_dict() -> dict[str, Any]:
         "target": dataclasses.asdict(TargetConfig()),
         "tree": dataclasses.asdict(TreeConfig()),
     }
+
+
+def _specpv_env(env: Any, key: str, current: Any) -> dict[str, Any]:
+    """SpecPV fields from ``KEY`` (a JSON object) and then ``KEY_<FIELD>`` variables."""
+    out = dataclasses.asdict(SpecPVConfig.from_any(current))
+    if key in env:
+        try:
+            raw = json.loads(env[key])
+        except json.JSONDecodeError:
+            raise ConfigError(f"environment variable {key} must be a JSON object") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"environment variable {key} must be a JSON object")
+        out.update(raw)
+    for sf in dataclasses.fields(SpecPVConfig):
+        sub = f"{key}_{sf.name}".upper()
+        if sub in env:
+            out[sf.name] = _parse(env[sub], sf.type, sub)
+    return out
 
 
 def _parse(raw: str, typ: Any, key: str) -> Any:

@@ -120,6 +120,7 @@ class ModelRunner:
         mask: torch.Tensor,
         cache: StaticKVCache,
         logits_to_keep: int,
+        **attention_kwargs: Any,
     ) -> torch.Tensor:
         """One cached forward.
 
@@ -129,6 +130,8 @@ class ModelRunner:
             mask: `[1, 1, q, cache.seq_len + q]` additive float mask (model dtype).
             cache: the session cache (appended to).
             logits_to_keep: how many trailing rows of logits to compute.
+            **attention_kwargs: passed through the model to its attention function (e.g. the
+                SpecPV query recorder, see :mod:`specsplit.partial_kv`).
 
         Returns:
             `[logits_to_keep, vocab]` logits (on the output device).
@@ -142,6 +145,7 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **attention_kwargs,
         )
         self.forward_count += 1
         return out.logits[0]

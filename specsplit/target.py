@@ -4,6 +4,10 @@ A round: check the caller's ``expected_prefix_length`` against the session cache
 over ``pending + tree`` with an additive tree mask (positions ``prefix + depth``), verify greedily
 or by recursive rejection sampling, read the outcome with one host copy, and keep the KV of the
 accepted path (a copy of the accepted tree positions only, none at all for a chain).
+
+With ``config.specpv.enabled`` the forward and the KV bookkeeping of each round go through a
+:class:`~specsplit.specpv.PartialVerifier` (SpecPV partial verification for long contexts, lossy,
+opt-in). SpecPV sessions always take the eager path: CUDA graphs and SpecPV are exclusive for now.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from specsplit.engine_common import (
 from specsplit.errors import CacheDesyncError, InvalidRequest, SessionNotFound
 from specsplit.graphs import Workspace
 from specsplit.kv_cache import StaticKVCache
+from specsplit.partial_kv import PartialSession
 from specsplit.sampling import logits_to_probs, make_generator
+from specsplit.specpv import PartialVerifier, SpecPVStats
 from specsplit.transport import VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
 from specsplit.tree import TokenTree
 from specsplit.tree_attention import ancestor_matrix, build_verify_attention
@@ -38,15 +44,31 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class KVCacheState:
-    """A target session: the cache and, when known, the logits after its last token."""
+    """A target session: the cache and, when known, the logits after its last token.
+
+    Under SpecPV, tokens accepted by partial verification (``pv.backlog``) count as held although
+    their exact KV is computed only at the next full verification.
+    """
 
     cache: StaticKVCache
     next_root_logit: torch.Tensor | None = None  # [vocab]
     static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
+    pv: PartialSession | None = None  # SpecPV state (None when SpecPV is off or not used yet)
 
     @property
     def seq_len(self) -> int:
-        return self.cache.seq_len
+        return self.cache.seq_len + (len(self.pv.backlog) if self.pv is not None else 0)
+
+    def reset(self) -> None:
+        self.cache.reset()
+        if self.pv is not None:
+            self.pv.reset()
+
+    def rollback(self, length: int) -> None:
+        if self.pv is not None:
+            self.pv.rollback(self.cache, length)
+        else:
+            self.cache.rollback(length)
 
 
 class TargetEngine:
@@ -66,6 +88,13 @@ class TargetEngine:
             self.config.max_sessions, self.config.session_ttl_s, "target-sessions", self._on_evict
         )
         self._workspace = Workspace(self.runner, self.config.graph_capacity, use_graphs=True)
+        pv_cfg = self.config.specpv
+        use_pv = pv_cfg.enabled and not self.config.stateless
+        self._specpv = PartialVerifier(pv_cfg, self.runner) if use_pv else None
+        if pv_cfg.enabled and self.config.stateless:
+            logger.warning("SpecPV needs session state; it is off on this stateless target")
+        if self._specpv is not None and self.config.cuda_graphs:
+            logger.warning("SpecPV uses the eager verify path: cuda_graphs is ignored while SpecPV is on")
 
     def _on_evict(self, session_id: str, state: KVCacheState) -> None:
         self._workspace.release(session_id)
@@ -95,9 +124,14 @@ class TargetEngine:
     def forward_count(self) -> int:
         return self.runner.forward_count
 
+    @property
+    def specpv_stats(self) -> SpecPVStats | None:
+        """SpecPV telemetry over all sessions (``None`` when SpecPV is off)."""
+        return self._specpv.stats if self._specpv is not None else None
+
     def get_or_create_session(self, session_id: str, capacity: int = 0) -> tuple[KVCacheState, bool]:
         def factory() -> KVCacheState:
-            if self.config.cuda_graphs:
+            if self.config.cuda_graphs and self._specpv is None:
                 ws = self._workspace.acquire(session_id, capacity)
                 if ws is not None:
                     return KVCacheState(ws, static=True)
@@ -124,7 +158,7 @@ class TargetEngine:
         """Truncate a session's cache to ``length`` tokens (O(1))."""
         state = self._store.get(session_id)
         with self._store.locked(session_id):
-            state.cache.rollback(length)
+            state.rollback(length)
             state.next_root_logit = None
 
     def shutdown(self) -> None:
@@ -202,15 +236,14 @@ class TargetEngine:
         stats = WorkerStats(device=str(self.device))
         try:
             with self._store.locked(session_id):
-                cache = state.cache
                 if req.expected_prefix_length == 0:
-                    cache.reset()
-                elif cache.seq_len != req.expected_prefix_length:
+                    state.reset()
+                elif state.seq_len != req.expected_prefix_length:
                     raise CacheDesyncError(
-                        f"target session {session_id!r} holds {cache.seq_len} tokens, caller expected "
+                        f"target session {session_id!r} holds {state.seq_len} tokens, caller expected "
                         f"{req.expected_prefix_length}; resend the full context",
                         expected=req.expected_prefix_length,
-                        actual=cache.seq_len,
+                        actual=state.seq_len,
                     )
                 result = self._verify_locked(state, tree, pending, req, max_branch, max_depth, stats)
         finally:
@@ -240,8 +273,12 @@ class TargetEngine:
         pend = h2d(torch.tensor(pending, dtype=torch.long), dev)
         ids = torch.cat([pend, tree.token_ids])  # [P + N]
         t = time.perf_counter()
+        pv_step = None
         try:
-            if state.static and p == 1:  # steady state: fixed shape, replayed from a CUDA graph
+            if self._specpv is not None and not state.static:  # SpecPV: full or partial, policy's choice
+                pv_step = self._specpv.forward(state, pending, tree)
+                logits = pv_step.logits
+            elif state.static and p == 1:  # steady state: fixed shape, replayed from a CUDA graph
                 block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=dev)
                 block[:, 0] = True
                 block[1:, 1:] = ancestor_matrix(tree.parents)
@@ -262,8 +299,13 @@ class TargetEngine:
             outcome = verify_greedy(logits, tree, max_depth, max_branch)
         nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
         stats.model_time_s += time.perf_counter() - t
-        stats.tokens_processed += p + n
+        stats.tokens_processed += (len(pv_step.fed) if pv_step is not None else p) + n
         stats.forwards += 1
+        state.next_root_logit = None
+        if pv_step is not None:
+            stats.verify_mode = "partial" if pv_step.partial else "full"
+            prefix = self._specpv.commit(state, pv_step, nodes, tokens)  # type: ignore[union-attr]
+            return VerifyResult(tokens, next_token, nodes, prefix, max_depth, n)
         m = len(nodes)
         base = length + p
         if nodes != list(range(m)):  # a chain's accepted prefix is already in place

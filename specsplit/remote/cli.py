@@ -49,6 +49,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
     p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument(
+        "--specpv", action="store_true", help="target: SpecPV partial verification for long contexts (lossy)"
+    )
+    p.add_argument("--specpv-threshold", type=int, default=None, help="target: SpecPV from this many tokens")
+    p.add_argument("--specpv-retrieval-blocks", type=int, default=None, help="target: SpecPV blocks/KV head")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -104,9 +109,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dcfg = DraftConfig(model=args.model, device=args.device, dtype=args.dtype, **common, **extra)
         engine = DraftEngine(_load(args), config=dcfg)
     else:
+        from specsplit.partial_kv import SpecPVConfig
         from specsplit.target import TargetEngine
 
+        d = SpecPVConfig()
+        pv = SpecPVConfig(
+            enabled=args.specpv,
+            partial_threshold=d.partial_threshold if args.specpv_threshold is None else args.specpv_threshold,
+            n_retrieval_blocks=(
+                d.n_retrieval_blocks if args.specpv_retrieval_blocks is None else args.specpv_retrieval_blocks
+            ),
+        )
         tcfg = TargetConfig(
+            specpv=pv,
             model=args.model,
             device=args.device,
             dtype=args.dtype,

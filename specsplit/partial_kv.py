@@ -1,0 +1,481 @@
+"""SpecPV partial KV view: sink / retrieval / window / speculative buffer, and block retrieval.
+
+Long-context verification reads the whole KV cache in every layer; SpecPV (opt-in, lossy) verifies
+against a small *partial view* of it instead and rectifies with a periodic full verification
+(the switching policy lives in :mod:`specsplit.specpv`).
+
+Vocabulary:
+
+- *block*: ``block_size`` consecutive cached tokens; block ``b`` covers positions
+  ``[b * block_size, (b + 1) * block_size)``.
+- *sink*: the first ``n_sink_blocks`` blocks, always in the view (attention sinks).
+- *window*: the most recent tokens, from the block boundary at or before
+  ``full_len - n_window_blocks * block_size`` to the end of the full cache.
+- *candidates*: the complete blocks between the sink and the window; the view holds the
+  ``n_retrieval_blocks`` of them that score highest, chosen per layer and KV head.
+- *speculative buffer*: the tail of the view, where partial verification forwards write the KV of
+  ``pending + tree`` tokens; the accepted ones stay there (the *backlog*) until the next full
+  verification recomputes them exactly in the full cache.
+- *summaries*: per layer and KV head, the elementwise max ``Kmax`` and min ``Kmin`` of the
+  post-RoPE keys of each complete block past the sink; block score
+  ``s = max(q . Kmax, q . Kmin)`` for the post-RoPE query ``q`` of a tree token, reduced over the
+  tree's queries and over the query heads that share the KV head (``retrieval_reduce``).
+
+Keys are cached post-RoPE, so any subset of them can be attended without re-rotation; queries keep
+their true absolute positions. The view is one contiguous ``[batch, kv_heads, budget, head_dim]``
+buffer per layer held in a :class:`~specsplit.kv_cache.StaticKVCache`, so a partial forward is an
+ordinary cached forward over that cache (the model's ``past_key_values.update`` returns the view).
+The post-RoPE queries come from a custom attention function registered through transformers'
+``AttentionInterface`` that records them on demand and otherwise delegates to SDPA.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from specsplit.errors import ConfigError
+from specsplit.kv_cache import StaticKVCache
+
+logger = logging.getLogger(__name__)
+
+SPECPV_ATTENTION = "specsplit_specpv"  # name registered with transformers' AttentionInterface
+RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg that reaches the attention function
+
+
+@dataclass
+class SpecPVConfig:
+    """SpecPV partial verification settings (target side; opt-in, lossy).
+
+    Attributes:
+        enabled: turn partial verification on (off: the engine behaves exactly as without it).
+        block_size: tokens per retrieval block.
+        n_sink_blocks: leading blocks always kept.
+        n_retrieval_blocks: blocks retrieved per layer and KV head.
+        n_window_blocks: most recent blocks always kept.
+        n_spec_tokens_buf: speculative buffer slots: ``pending + tree`` of a round plus the tokens
+            accepted since the last full verification.
+        partial_threshold: contexts shorter than this many tokens are always verified in full.
+        full_refresh_interval: partial steps between two full verifications.
+        retrieval_reduce: ``"mean"`` or ``"max"``, how block scores are reduced over the tree's
+            queries and over the query heads of a GQA group.
+    """
+
+    enabled: bool = False
+    block_size: int = 16
+    n_sink_blocks: int = 2
+    n_retrieval_blocks: int = 256
+    n_window_blocks: int = 8
+    n_spec_tokens_buf: int = 128
+    partial_threshold: int = 4096
+    full_refresh_interval: int = 32
+    retrieval_reduce: Literal["mean", "max"] = "mean"
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("block_size", 1),
+            ("n_sink_blocks", 0),
+            ("n_retrieval_blocks", 0),
+            ("n_window_blocks", 0),
+            ("n_spec_tokens_buf", 2),
+            ("partial_threshold", 1),
+            ("full_refresh_interval", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"specpv.{name} must be an integer >= {low}, got {value!r}")
+        if self.retrieval_reduce not in ("mean", "max"):
+            raise ConfigError(
+                f"specpv.retrieval_reduce must be 'mean' or 'max', got {self.retrieval_reduce!r}"
+            )
+
+    @property
+    def view_tokens(self) -> int:
+        """Most slots the sink + retrieval + window part can take (the window may start mid-block)."""
+        return (self.n_sink_blocks + self.n_retrieval_blocks + self.n_window_blocks + 1) * self.block_size
+
+    @property
+    def budget(self) -> int:
+        """Slots of the partial view per layer: view part plus speculative buffer."""
+        return self.view_tokens + self.n_spec_tokens_buf
+
+    @staticmethod
+    def min_spec_tokens_buf(max_nodes: int, max_depth: int) -> int:
+        """Smallest buffer that holds one round's ``pending + tree`` on top of the last round's
+        accepted tokens (its pending token plus up to ``max_depth`` accepted ones)."""
+        return (1 + max_depth) + (1 + max_nodes)
+
+    def check_tree(self, max_nodes: int, max_depth: int) -> None:
+        """Raise :class:`ConfigError` when the speculative buffer cannot serve trees this large.
+
+        Args:
+            max_nodes: the tree budget (largest number of drafted nodes per round).
+            max_depth: the deepest drafted path.
+        """
+        need = self.min_spec_tokens_buf(max_nodes, max_depth)
+        if self.enabled and self.n_spec_tokens_buf < need:
+            raise ConfigError(
+                f"specpv.n_spec_tokens_buf={self.n_spec_tokens_buf} cannot hold a tree of {max_nodes} nodes "
+                f"and depth {max_depth}: a partial round needs the tree plus its pending token plus the "
+                f"{max_depth + 1} tokens the previous round may commit, i.e. >= {need}; raise "
+                "n_spec_tokens_buf or shrink the tree"
+            )
+
+    @classmethod
+    def from_any(cls, value: SpecPVConfig | dict[str, Any] | None) -> SpecPVConfig:
+        """Accept a config, a dict of its fields (config files, environment JSON) or ``None``."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = set(cls.__dataclass_fields__)
+            bad = set(value) - known
+            if bad:
+                raise ConfigError(f"unknown keys in target.specpv: {sorted(bad)}; known: {sorted(known)}")
+            return cls(**value)
+        raise ConfigError(f"target.specpv must be a SpecPVConfig or a dict, got {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------- queries (AttentionInterface)
+@dataclass
+class QueryRecorder:
+    """Collects the trailing ``rows`` post-RoPE query rows of each layer during one forward.
+
+    Attributes:
+        rows: how many trailing query positions to keep (the tree tokens).
+        queries: ``layer_idx -> [batch, heads, rows, head_dim]`` copies.
+    """
+
+    rows: int
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, layer_idx: int, query: torch.Tensor) -> None:
+        # A copy, not a view: a view would keep a prefill-sized query tensor alive per layer.
+        self.queries[layer_idx] = query[:, :, -self.rows :].detach().clone()
+
+
+def specpv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention function for transformers' ``AttentionInterface``: record queries, then SDPA.
+
+    transformers calls it after RoPE and after ``past_key_values.update``, so ``query`` is
+    post-RoPE at the true positions and ``key``/``value`` are whatever the cache returned: the
+    whole valid prefix for the full cache, the partial view for the SpecPV cache.
+
+    Args:
+        module: the attention module (``layer_idx`` and ``num_key_value_groups`` are read).
+        query: `[batch, heads, q, head_dim]` post-RoPE queries.
+        key: `[batch, kv_heads, kv, head_dim]`.
+        value: `[batch, kv_heads, kv, head_dim]`.
+        attention_mask: `[batch, 1, q, kv]` additive float mask.
+        **kwargs: forwarded to SDPA; ``specpv_recorder`` (a :class:`QueryRecorder`) is consumed.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    recorder = kwargs.pop(RECORDER_KWARG, None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if recorder is not None and layer_idx is not None:  # missing queries -> full verification later
+        recorder.record(int(layer_idx), query)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+_registered = False
+
+
+def install_attention(model: torch.nn.Module) -> bool:
+    """Make ``model`` call :func:`specpv_attention` (idempotent); False if the model cannot.
+
+    Models whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, ... in
+    transformers 5) switch implementation without any modeling-file change. A model on eager
+    attention moves to SDPA (same math, different kernel).
+    """
+    global _registered
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not _registered:
+        AttentionInterface.register(SPECPV_ATTENTION, specpv_attention)
+        AttentionMaskInterface.register(SPECPV_ATTENTION, sdpa_mask)  # 2-D masks (e.g. HF generate)
+        _registered = True
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == SPECPV_ATTENTION:
+        return True
+    try:
+        model.set_attn_implementation(SPECPV_ATTENTION)  # type: ignore[operator]
+    except (AttributeError, ValueError, TypeError) as e:
+        logger.warning("SpecPV: cannot install the query-recording attention on this model (%s)", e)
+        return False
+    ok = getattr(config, "_attn_implementation", None) == SPECPV_ATTENTION
+    if ok and current not in ("sdpa", None):
+        logger.info("SpecPV: attention implementation %r replaced by SDPA with query recording", current)
+    return ok
+
+
+# ---------------------------------------------------------------------- block summaries and scores
+class BlockSummaries:
+    """Kmax/Kmin of the complete blocks past the sink, per layer and KV head, kept incrementally.
+
+    Entries for blocks ``< first_block`` (the sink) are never computed. Each layer holds
+    ``kmax``/``kmin`` of shape `[batch, kv_heads, slots, head_dim]`, grown by doubling.
+
+    Args:
+        block_size: tokens per block.
+        first_block: first summarised block (``n_sink_blocks``).
+    """
+
+    def __init__(self, block_size: int, first_block: int):
+        self.block_size = block_size
+        self.first_block = first_block
+        self.kmax: list[torch.Tensor] = []
+        self.kmin: list[torch.Tensor] = []
+        self.n_blocks = 0  # blocks [first_block, n_blocks) are valid
+
+    def truncate(self, length: int) -> None:
+        """Forget blocks that are no longer complete after the cache shrank to ``length``."""
+        self.n_blocks = min(self.n_blocks, length // self.block_size)
+
+    def update(self, cache: StaticKVCache) -> int:
+        """Summarise the blocks completed since the last call; returns how many were added."""
+        bs = self.block_size
+        lo = max(self.n_blocks, self.first_block)
+        hi = cache.seq_len // bs
+        if hi <= lo:
+            return 0
+        for i, layer in enumerate(_layers(cache)):
+            keys = layer.keys  # [B, kvH, capacity, D]
+            assert keys is not None
+            if i == len(self.kmax):
+                empty = keys.new_zeros(*keys.shape[:2], 0, keys.shape[-1])
+                self.kmax.append(empty)
+                self.kmin.append(empty.clone())
+            if self.kmax[i].shape[2] < hi:
+                self.kmax[i] = _grow_blocks(self.kmax[i], hi)
+                self.kmin[i] = _grow_blocks(self.kmin[i], hi)
+            blocks = keys[:, :, lo * bs : hi * bs].unflatten(2, (hi - lo, bs))  # [B, kvH, nb, bs, D]
+            self.kmax[i][:, :, lo:hi] = blocks.amax(dim=3)
+            self.kmin[i][:, :, lo:hi] = blocks.amin(dim=3)
+        added = hi - lo
+        self.n_blocks = hi
+        return added
+
+
+def _layers(cache: StaticKVCache) -> list[Any]:
+    """The per-layer buffers (``keys``/``values`` `[B, kv_heads, capacity, D]`, ``length``)."""
+    return list(cache.layers)
+
+
+def _grow_blocks(t: torch.Tensor, need: int) -> torch.Tensor:
+    out = t.new_zeros(*t.shape[:2], max(need, 2 * t.shape[2]), t.shape[-1])
+    out[:, :, : t.shape[2]] = t
+    return out
+
+
+def score_blocks(
+    query: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, reduce: str = "mean"
+) -> torch.Tensor:
+    """Block scores ``max(q . Kmax, q . Kmin)`` reduced over queries and GQA group heads.
+
+    Args:
+        query: `[batch, heads, nq, head_dim]` post-RoPE queries (heads = kv_heads * group, laid
+            out as transformers' ``repeat_kv`` expects: head ``h`` reads KV head ``h // group``).
+        kmax: `[batch, kv_heads, C, head_dim]` block maxima.
+        kmin: `[batch, kv_heads, C, head_dim]` block minima.
+        reduce: ``"mean"`` or ``"max"``.
+
+    Returns:
+        `[batch, kv_heads, C]` float32 scores.
+    """
+    b, h, nq, d = query.shape
+    kvh, c = kmax.shape[1], kmax.shape[2]
+    if h % kvh:
+        raise ValueError(f"{h} query heads do not split into {kvh} KV heads")
+    g = h // kvh
+    q = query.float().reshape(b, kvh, g * nq, d)  # [B, kvH, G * nq, D]
+    s = torch.maximum(q @ kmax.float().transpose(-1, -2), q @ kmin.float().transpose(-1, -2))
+    s = s.view(b, kvh, g, nq, c)  # [B, kvH, G, nq, C]
+    if reduce == "max":
+        return s.amax(dim=3).amax(dim=2)
+    return s.mean(dim=3).mean(dim=2)
+
+
+def select_blocks(scores: torch.Tensor, k: int, first_block: int) -> torch.Tensor:
+    """The ``k`` best blocks per KV head, ascending (position order).
+
+    Args:
+        scores: `[batch, kv_heads, C]` scores of the candidate blocks ``first_block ...``.
+        k: blocks to keep (``<= C``).
+        first_block: absolute index of candidate 0.
+
+    Returns:
+        `[batch, kv_heads, k]` int64 absolute block indices, sorted.
+    """
+    top = scores.topk(k, dim=-1, sorted=False).indices  # [B, kvH, k]
+    return top.sort(dim=-1).values + first_block
+
+
+def block_token_index(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[batch, kv_heads, k]` block ids -> `[batch, kv_heads, k * block_size]` token slots."""
+    offs = torch.arange(block_size, device=blocks.device)
+    return (blocks[..., None] * block_size + offs).flatten(-2)
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-head gather along the sequence: `[B, H, T, D]`, `[B, H, n]` -> `[B, H, n, D]`."""
+    return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+# ---------------------------------------------------------------------- the view of one session
+@dataclass
+class ViewLayout:
+    """Where the parts of a freshly built view sit (token counts; host ints)."""
+
+    full_len: int  # full-cache length the view was built from
+    sink: int  # slots [0, sink)
+    retrieved_blocks: int  # k blocks at slots [sink, sink + k * block_size)
+    window_start: int  # absolute position of the first window token
+    view_len: int  # sink + k * block_size + (full_len - window_start); the buffer starts here
+
+
+def plan_layout(cfg: SpecPVConfig, full_len: int) -> tuple[ViewLayout, int]:
+    """The layout for a full cache of ``full_len`` tokens, and the candidate block count."""
+    bs = cfg.block_size
+    sink = min(cfg.n_sink_blocks * bs, full_len)
+    ws = ((full_len - cfg.n_window_blocks * bs) // bs) * bs
+    ws = max(ws, sink)
+    n_cand = max(0, ws // bs - cfg.n_sink_blocks)
+    k = min(cfg.n_retrieval_blocks, n_cand)
+    layout = ViewLayout(full_len, sink, k, ws, sink + k * bs + (full_len - ws))
+    return layout, n_cand
+
+
+class PartialSession:
+    """SpecPV state of one target session: summaries, the partial view, the backlog.
+
+    Attributes:
+        view: the partial cache (``None`` until the first refresh); its valid length is
+            ``layout.view_len + len(backlog)`` between rounds.
+        layout: the last refresh's layout (``None`` when the view is not usable).
+        backlog: committed token ids whose KV exists only in the speculative buffer (accepted
+            under partial verification); the next full verification feeds them first.
+        steps_since_refresh: partial verifications since the view was built.
+    """
+
+    def __init__(self, cfg: SpecPVConfig):
+        self.cfg = cfg
+        self.summaries = BlockSummaries(cfg.block_size, cfg.n_sink_blocks)
+        self.view: StaticKVCache | None = None
+        self.layout: ViewLayout | None = None
+        self.backlog: list[int] = []
+        self.steps_since_refresh = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.layout is not None
+
+    def invalidate(self) -> None:
+        """Drop the view (the next verification is full); the backlog is kept."""
+        self.layout = None
+        self.steps_since_refresh = 0
+
+    def reset(self) -> None:
+        """The full cache was emptied: forget everything."""
+        self.invalidate()
+        self.backlog = []
+        self.summaries.truncate(0)
+
+    def rollback(self, cache: StaticKVCache, length: int) -> None:
+        """Keep the first ``length`` tokens of the logical sequence (full cache + backlog)."""
+        full = cache.seq_len
+        if length >= full:
+            keep = length - full
+            if keep > len(self.backlog):
+                raise ValueError(f"cannot roll back to {length}; session holds {full + len(self.backlog)}")
+            self.backlog = self.backlog[:keep]
+            if self.layout is not None and self.view is not None:
+                self.view.rollback(self.layout.view_len + keep)
+            return
+        self.backlog = []
+        self.invalidate()
+        self.summaries.truncate(length)
+        cache.rollback(length)
+
+    def rebuild(self, cache: StaticKVCache, queries: dict[int, torch.Tensor] | None) -> ViewLayout:
+        """Refresh summaries, retrieval and window from the full cache; empty the buffer.
+
+        Args:
+            cache: the full cache (exact KV of every committed token; no backlog).
+            queries: ``layer -> [B, H, nq, D]`` post-RoPE tree queries of the last full forward;
+                only needed when there are more candidate blocks than retrieval slots.
+
+        Raises:
+            RuntimeError: an invariant does not hold (missing queries, layer mismatch); the caller
+                falls back to full verification.
+        """
+        self.invalidate()
+        cfg = self.cfg
+        layout, n_cand = plan_layout(cfg, cache.seq_len)
+        k, bs = layout.retrieved_blocks, cfg.block_size
+        select = 0 < k < n_cand
+        if select:
+            self.summaries.update(cache)
+            if self.summaries.n_blocks < cfg.n_sink_blocks + n_cand:
+                raise RuntimeError("block summaries do not cover the retrieval candidates")
+        view = self._view_for(cache)
+        for i, (layer, vlayer) in enumerate(zip(_layers(cache), _layers(view), strict=True)):
+            keys, values = layer.keys, layer.values  # [B, kvH, capacity, D]
+            vk, vv = vlayer.keys, vlayer.values  # [B, kvH, budget, D]
+            vk[:, :, : layout.sink] = keys[:, :, : layout.sink]
+            vv[:, :, : layout.sink] = values[:, :, : layout.sink]
+            lo, hi = layout.sink, layout.sink + k * bs
+            if select:
+                q = (queries or {}).get(i)
+                if q is None:
+                    raise RuntimeError(f"no recorded queries for layer {i}")
+                first, last = cfg.n_sink_blocks, cfg.n_sink_blocks + n_cand
+                scores = score_blocks(
+                    q.to(keys.device),
+                    self.summaries.kmax[i][:, :, first:last],
+                    self.summaries.kmin[i][:, :, first:last],
+                    cfg.retrieval_reduce,
+                )  # [B, kvH, C]
+                idx = block_token_index(select_blocks(scores, k, first), bs)  # [B, kvH, k * bs]
+                vk[:, :, lo:hi] = gather_tokens(keys, idx)
+                vv[:, :, lo:hi] = gather_tokens(values, idx)
+            elif k:  # every candidate fits: copy them all, in order
+                vk[:, :, lo:hi] = keys[:, :, lo:hi]
+                vv[:, :, lo:hi] = values[:, :, lo:hi]
+            win = layout.full_len - layout.window_start
+            vk[:, :, hi : hi + win] = keys[:, :, layout.window_start : layout.full_len]
+            vv[:, :, hi : hi + win] = values[:, :, layout.window_start : layout.full_len]
+        view.set_length(layout.view_len)
+        self.backlog = []
+        self.layout = layout
+        return layout
+
+    def _view_for(self, cache: StaticKVCache) -> StaticKVCache:
+        if self.view is None:
+            self.view = StaticKVCache(len(cache.layers), self.cfg.budget)
+        for layer, vlayer in zip(_layers(cache), _layers(self.view), strict=True):
+            if layer.keys is None or not layer.is_initialized:
+                raise RuntimeError("the full cache has an uninitialised layer")
+            if not vlayer.is_initialized:
+                vlayer.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+                vlayer.pinned = True  # never grows: an overflow raises instead (-> full verification)
+        return self.view
+
+    def memory_bytes(self) -> int:
+        total = self.view.memory_bytes() if self.view is not None else 0
+        for t in self.summaries.kmax + self.summaries.kmin:
+            total += t.numel() * t.element_size()
+        return total

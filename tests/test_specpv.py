@@ -1,0 +1,483 @@
+"""SpecPV partial verification: config, retrieval, policy, fallback, and the same behaviour over gRPC.
+
+Contexts here are a few hundred tokens with small blocks, so every policy branch (seed, partial,
+interval, overflow, fallback) runs on tiny random models in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specsplit import (
+    ConfigError,
+    DraftEngine,
+    LocalTransport,
+    SpecSplitConfig,
+    TargetEngine,
+    TokenTree,
+    TreeConfig,
+)
+from specsplit.config import DraftConfig, TargetConfig
+from specsplit.kv_cache import StaticKVCache
+from specsplit.partial_kv import (
+    SPECPV_ATTENTION,
+    BlockSummaries,
+    PartialSession,
+    SpecPVConfig,
+    plan_layout,
+    score_blocks,
+    select_blocks,
+)
+from specsplit.pipeline import DecodeParams, decode
+from specsplit.transport import VerifyRequest, VerifyResult
+from specsplit.tree_attention import ancestor_matrix, bool_mask_to_float
+
+VOCAB = 256
+CTX = 240  # prompt length: well above the thresholds used below
+NEW = 24
+STATIC = TreeConfig(shape="static")
+CHAIN = TreeConfig(shape="chain", num_draft_tokens=4)
+
+
+def _config(family: str):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    return LlamaConfig(**common) if family == "llama" else Qwen2Config(**common, tie_word_embeddings=False)
+
+
+def _pair(family: str, noise: float = 0.02) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny target and a draft = target + noise (partial acceptance, branching trees)."""
+    cls = LlamaForCausalLM if family == "llama" else Qwen2ForCausalLM
+    torch.manual_seed(3)
+    target = cls(_config(family)).eval()
+    draft = cls(_config(family)).eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4)
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g))
+        for m in (target, draft):
+            m.get_output_embeddings().weight.mul_(8.0)  # peaked: no numerical near-ties
+    return target, draft
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny forwards: one intra-op thread is faster on a shared 2-core box (and deterministic)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return _pair("llama")
+
+
+@pytest.fixture(scope="module")
+def qwen_pair():
+    return _pair("qwen")
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(4, VOCAB, (CTX,), generator=g).tolist()
+
+
+def _pv(**kw) -> SpecPVConfig:
+    base = dict(enabled=True, block_size=8, n_sink_blocks=1, n_window_blocks=2, partial_threshold=64)
+    base.update(kw)
+    return SpecPVConfig(**base)
+
+
+FULL_VIEW = dict(n_retrieval_blocks=64)  # >= every candidate block: the view is the whole context
+
+
+class _Recording(LocalTransport):
+    """LocalTransport that records each verify result and runs a hook after it."""
+
+    def __init__(self, draft, target, hook=None):
+        super().__init__(draft, target)
+        self.results: list[VerifyResult] = []
+        self.hook = hook
+
+    def verify(self, request: VerifyRequest) -> VerifyResult:
+        res = super().verify(request)
+        self.results.append(res)
+        if self.hook is not None:
+            self.hook(self, request.session_id, res)
+        return res
+
+
+def _run(target, draft, prompt, pv: SpecPVConfig | None, tree=STATIC, hook=None, new=NEW, sampling=None):
+    te = TargetEngine(target, TargetConfig(specpv=pv or SpecPVConfig()))
+    tr = _Recording(DraftEngine(draft), te, hook)
+    params = DecodeParams(new, tree=tree)
+    if sampling is not None:
+        params.sampling, params.generator = sampling, torch.Generator().manual_seed(11)
+    out, stats = decode(tr, prompt, params, session_id="s")
+    tr.close()
+    return out, stats, te, tr
+
+
+# ---------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(n_retrieval_blocks=-1), "n_retrieval_blocks"),
+        (dict(full_refresh_interval=0), "full_refresh_interval"),
+        (dict(retrieval_reduce="median"), "retrieval_reduce"),
+        (dict(partial_threshold=2.5), "partial_threshold"),
+    ],
+)
+def test_config_validation(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        SpecPVConfig(**kw)
+
+
+def test_buffer_checked_against_tree_budget_and_env():
+    big = TreeConfig(shape="dynamic", budget=64, max_depth=8)
+    with pytest.raises(ConfigError, match=r"n_spec_tokens_buf=40 .* >= 74"):
+        SpecSplitConfig(
+            tree=big, target=TargetConfig(specpv=SpecPVConfig(enabled=True, n_spec_tokens_buf=40))
+        )
+    SpecSplitConfig(tree=big, target=TargetConfig(specpv=SpecPVConfig(enabled=True, n_spec_tokens_buf=74)))
+    SpecSplitConfig(tree=big, target=TargetConfig(specpv=SpecPVConfig(n_spec_tokens_buf=40)))  # off: no check
+    with pytest.raises(ConfigError, match="unknown keys in target.specpv"):
+        TargetConfig(specpv={"enabled": True, "budget": 9})
+    env = {"SPECSPLIT_TARGET_SPECPV_ENABLED": "1", "SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD": "8192"}
+    cfg = SpecSplitConfig.from_env(environ=env)
+    assert cfg.target.specpv.enabled and cfg.target.specpv.partial_threshold == 8192
+    cfg = SpecSplitConfig.from_env(environ={"SPECSPLIT_TARGET_SPECPV": '{"enabled": true, "block_size": 32}'})
+    assert cfg.target.specpv == SpecPVConfig(enabled=True, block_size=32)
+    assert SpecSplitConfig.from_dict(cfg.to_dict()).target.specpv == cfg.target.specpv
+
+
+# ---------------------------------------------------------------------- retrieval
+def _planted_cache(kv_heads=2, blocks=32, bs=4, d=8, planted=((5, 11), (7, 20))):
+    g = torch.Generator().manual_seed(0)
+    keys = 0.1 * torch.randn(1, kv_heads, blocks * bs, d, generator=g)
+    qdir = torch.randn(kv_heads, d, generator=g)
+    for h, bl in enumerate(planted):
+        for b in bl:
+            keys[0, h, b * bs : (b + 1) * bs] = 3.0 * qdir[h] + 0.05 * torch.randn(bs, d, generator=g)
+    cache = StaticKVCache(1, blocks * bs + 16)
+    cache.append(0, keys, -keys)  # values: anything distinguishable
+    # queries: [1, heads = kv_heads * 2, nq = 3, d], each head of group h along qdir[h]
+    q = qdir.repeat_interleave(2, dim=0)[None, :, None, :] + 0.1 * torch.randn(
+        1, 2 * kv_heads, 3, d, generator=g
+    )
+    return cache, keys, q
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_planted_blocks_are_retrieved(reduce):
+    cache, keys, q = _planted_cache()
+    summ = BlockSummaries(block_size=4, first_block=2)
+    assert summ.update(cache) == 30 and summ.update(cache) == 0  # incremental: nothing new
+    scores = score_blocks(q, summ.kmax[0][:, :, 2:32], summ.kmin[0][:, :, 2:32], reduce)  # [1, 2, 30]
+    assert scores.shape == (1, 2, 30)
+    chosen = select_blocks(scores, 2, first_block=2)
+    assert chosen.tolist() == [[[5, 11], [7, 20]]]  # per KV head, in position order
+
+
+def test_rebuilt_view_holds_sink_planted_blocks_and_window():
+    cache, keys, q = _planted_cache()
+    cfg = SpecPVConfig(enabled=True, block_size=4, n_sink_blocks=2, n_retrieval_blocks=2, n_window_blocks=3)
+    pvs = PartialSession(cfg)
+    layout = pvs.rebuild(cache, {0: q})
+    full = 128
+    assert (layout.sink, layout.retrieved_blocks, layout.window_start) == (8, 2, full - 12)
+    assert layout.view_len == 8 + 8 + 12 and pvs.view.seq_len == layout.view_len
+    vk = pvs.view.layers[0].keys
+    assert torch.equal(vk[:, :, :8], keys[:, :, :8])
+    for h, (a, b) in enumerate(((5, 11), (7, 20))):
+        want = torch.cat([keys[0, h, a * 4 : a * 4 + 4], keys[0, h, b * 4 : b * 4 + 4]])
+        assert torch.equal(vk[0, h, 8:16], want)
+    assert torch.equal(vk[:, :, 16:28], keys[:, :, full - 12 : full])
+    assert torch.equal(pvs.view.layers[0].values[:, :, :28], -vk[:, :, :28])
+    # rollback inside the backlog only trims the buffer; below the full cache it drops the view
+    pvs.backlog = [1, 2, 3]
+    pvs.view.set_length(layout.view_len + 3)
+    pvs.rollback(cache, full + 1)
+    assert pvs.backlog == [1] and pvs.view.seq_len == layout.view_len + 1
+    pvs.rollback(cache, 100)
+    assert not pvs.ready and pvs.backlog == [] and cache.seq_len == 100 and pvs.summaries.n_blocks == 25
+
+
+def test_layout_without_candidates_is_the_whole_context():
+    layout, n_cand = plan_layout(_pv(n_retrieval_blocks=3), 40)  # sink 8, blocks 1-2, window from 24
+    assert n_cand == 2 and layout.retrieved_blocks == 2 and layout.window_start == 24
+    assert layout.view_len == 40
+    layout, n_cand = plan_layout(_pv(n_retrieval_blocks=3), 45)  # the window starts at a block boundary
+    assert n_cand == 2 and layout.window_start == 24 and layout.view_len == 45
+
+
+# ---------------------------------------------------------------------- engine behaviour
+def test_off_or_below_threshold_is_identical(llama_pair, prompt):
+    target, draft = llama_pair
+    ref, ref_stats, plain, _ = _run(target, draft, prompt, None)
+    assert plain.specpv_stats is None
+    out, stats, te, tr = _run(target, draft, prompt, _pv(partial_threshold=10_000))
+    assert out == ref
+    assert [r.accepted for r in stats.rounds] == [r.accepted for r in ref_stats.rounds]
+    assert te.forward_count == plain.forward_count == len(ref_stats.rounds)
+    assert te.specpv_stats.partial_steps == 0 and te.specpv_stats.refreshes == 0
+    assert te.specpv_stats.full_reasons == {"below_threshold": len(stats.rounds)}
+    assert {r.stats.verify_mode for r in tr.results} == {"full"}
+
+
+@pytest.mark.parametrize("family, tree", [("llama", STATIC), ("qwen", CHAIN)])
+def test_view_covering_context_equals_full_verification(request, family, tree, prompt):
+    target, draft = request.getfixturevalue(f"{family}_pair")
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, CTX:].tolist()
+    plain, plain_stats, _, _ = _run(target, draft, prompt, None, tree=tree)
+    assert plain == ref
+    out, stats, te, _ = _run(target, draft, prompt, _pv(full_refresh_interval=3, **FULL_VIEW), tree=tree)
+    assert target.config._attn_implementation == SPECPV_ATTENTION
+    s = te.specpv_stats
+    assert s.partial_steps > 0 and s.refreshes >= 2 and s.fallbacks == 0
+    assert out == ref
+    assert [r.accepted for r in stats.rounds] == [r.accepted for r in plain_stats.rounds]
+
+
+def test_partial_step_attends_to_the_view_at_true_positions(llama_pair, prompt):
+    target, _ = llama_pair
+    te = TargetEngine(target, TargetConfig(specpv=_pv(n_retrieval_blocks=0)))  # view: sink + window
+    r = te.verify(VerifyRequest("s", TokenTree.empty(), prompt, 0))  # full step, seeds the view
+    layout = te.get_or_create_session("s")[0].pv.layout
+    assert (layout.sink, layout.retrieved_blocks, layout.window_start) == (8, 0, 224)
+    tree = TokenTree(
+        token_ids=torch.tensor([9, 40, 77, 3, 120]),
+        parents=torch.tensor([-1, -1, 0, 2, 1]),
+        depths=torch.tensor([1, 1, 2, 3, 2]),
+        log_probs=torch.zeros(5),
+    )
+    captured = {}
+    orig = te._specpv.forward
+
+    def spy(*args):
+        captured["step"] = orig(*args)
+        return captured["step"]
+
+    te._specpv.forward = spy
+    te.verify(VerifyRequest("s", tree, [r.next_token_id], CTX))
+    step = captured["step"]
+    assert step.partial and step.logits.shape == (6, VOCAB)
+    # Reference: ONE plain forward over prompt + pending + tree whose mask hides what the view lacks.
+    n_ctx, q = CTX, 6
+    allowed = torch.zeros(n_ctx + q, n_ctx + q, dtype=torch.bool)
+    allowed[:n_ctx, :n_ctx] = torch.ones(n_ctx, n_ctx, dtype=torch.bool).tril()
+    allowed[n_ctx:, : layout.sink] = True
+    allowed[n_ctx:, layout.window_start : n_ctx] = True
+    allowed[n_ctx:, n_ctx] = True  # pending token
+    allowed[n_ctx + 1 :, n_ctx + 1 :] = ancestor_matrix(tree.parents)
+    pos = torch.cat([torch.arange(n_ctx + 1), n_ctx + tree.depths])[None]
+    ids = torch.tensor([prompt + [r.next_token_id] + tree.token_ids.tolist()])
+    with torch.no_grad():
+        mask = bool_mask_to_float(allowed[None, None], torch.float32)
+        ref = target(input_ids=ids, position_ids=pos, attention_mask=mask).logits[0, n_ctx:]
+    torch.testing.assert_close(step.logits, ref, rtol=1e-4, atol=1e-4)
+    te.shutdown()
+
+
+def test_recorded_queries_are_post_rope_at_true_positions(llama_pair, prompt):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    target, _ = llama_pair
+    te = TargetEngine(target, TargetConfig(specpv=_pv(**FULL_VIEW)))
+    seen = {}
+    orig = te._specpv.commit
+
+    def spy(state, step, nodes, tokens):
+        seen["q"] = step.recorder.queries
+        return orig(state, step, nodes, tokens)
+
+    te._specpv.commit = spy
+    te.verify(VerifyRequest("s", TokenTree.empty(), prompt, 0))  # seed: records the last row
+    q = seen["q"]
+    assert sorted(q) == [0, 1] and q[0].shape == (1, 4, 1, 16)
+    with torch.no_grad():  # layer 0's query of the last prompt token, by hand
+        ids = torch.tensor([prompt])
+        h = target.model.layers[0].input_layernorm(target.model.embed_tokens(ids))
+        attn = target.model.layers[0].self_attn
+        qs = attn.q_proj(h).view(1, CTX, -1, 16).transpose(1, 2)
+        pos = torch.arange(CTX)[None]
+        cos, sin = target.model.rotary_emb(h, pos)
+        qs, _ = apply_rotary_pos_emb(qs, qs, cos, sin)
+    torch.testing.assert_close(q[0], qs[:, :, -1:], rtol=1e-4, atol=1e-5)
+    te.shutdown()
+
+
+def test_refresh_interval_and_buffer_accounting(llama_pair, prompt):
+    target, _ = llama_pair
+    checks, layouts = [], []
+
+    def hook(tr, sid, res):
+        state, _ = tr.target_engine.get_or_create_session(sid)
+        pvs = state.pv
+        layouts.append(pvs.layout)
+        assert state.seq_len == res.prefix_length == state.cache.seq_len + len(pvs.backlog)
+        if pvs.ready:
+            assert state.cache.seq_len == pvs.layout.full_len
+            assert pvs.view.seq_len == pvs.layout.view_len + len(pvs.backlog) <= pvs.view.capacity
+        checks.append((res.stats.verify_mode, pvs.steps_since_refresh, len(pvs.backlog)))
+
+    # draft == target and an exact view: every chain is accepted (4 + 1 tokens per round)
+    pv = _pv(full_refresh_interval=3, n_spec_tokens_buf=64, **FULL_VIEW)
+    out, stats, te, tr = _run(target, target, prompt, pv, tree=CHAIN, hook=hook, new=60)
+    modes = [m for m, _, _ in checks]
+    assert modes[:9] == [
+        "full",
+        "partial",
+        "partial",
+        "partial",
+        "full",
+        "partial",
+        "partial",
+        "partial",
+        "full",
+    ]
+    assert all(b == 0 for m, _, b in checks if m == "full")  # a full step recomputes the backlog
+    assert [b for m, _, b in checks[1:4]] == [5, 10, 15]
+    s = te.specpv_stats
+    assert s.full_reasons.get("overflow", 0) == 0 and s.full_reasons["seed"] == 1
+    assert s.recomputed_tokens == 15 * s.full_reasons["interval"]
+    assert s.retrieved_blocks == layouts[-1].retrieved_blocks > 20 and s.partial_steps == modes.count(
+        "partial"
+    )
+    assert s.refreshes == modes.count("full") == 3
+
+    # a 16-slot buffer holds three rounds (backlog 15 + 5 fed > 16): the full step comes early
+    checks.clear()
+    pv = _pv(full_refresh_interval=100, n_spec_tokens_buf=16, **FULL_VIEW)
+    out2, _, te, _ = _run(target, target, prompt, pv, tree=CHAIN, hook=hook, new=60)
+    assert out2 == out and [m for m, _, _ in checks] == modes
+    assert te.specpv_stats.full_reasons == {"seed": 1, "overflow": 2}
+    assert max(b for _, _, b in checks) == 15
+
+
+def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):
+    target, draft = llama_pair
+    ref, _, _, _ = _run(target, draft, prompt, None, new=40)
+    broken = []
+
+    def corrupt(tr, sid, res):  # knock the buffer out of step with the backlog, twice
+        state, _ = tr.target_engine.get_or_create_session(sid)
+        if res.stats.verify_mode == "partial" and len(broken) < 2:
+            state.pv.view.set_length(state.pv.view.seq_len + 1)
+            broken.append(len(tr.results))
+
+    with caplog.at_level(logging.WARNING, logger="specsplit.specpv"):
+        out, _, te, _ = _run(
+            target, draft, prompt, _pv(full_refresh_interval=50, **FULL_VIEW), hook=corrupt, new=40
+        )
+    assert out == ref
+    assert len(broken) == 2 and te.specpv_stats.fallbacks == 2
+    assert te.specpv_stats.full_reasons["fallback"] == 2
+    warnings = [r for r in caplog.records if "partial verification failed" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_unhookable_model_verifies_in_full(llama_pair, prompt, monkeypatch):
+    from specsplit import specpv
+
+    monkeypatch.setattr(specpv, "install_attention", lambda model: False)
+    target, draft = llama_pair
+    ref, ref_stats, _, _ = _run(target, draft, prompt, None)
+    out, stats, te, _ = _run(target, draft, prompt, _pv(**FULL_VIEW))
+    assert out == ref and te.specpv_stats.partial_steps == 0
+    assert te.specpv_stats.full_reasons == {"unhooked": len(stats.rounds)}
+
+
+def test_lost_session_and_sampling_under_specpv(llama_pair, prompt):
+    target, draft = llama_pair
+    ref, _, _, _ = _run(target, draft, prompt, None)
+
+    def drop(tr, sid, res):  # the worker loses the session mid-backlog; the pipeline resends
+        if len(tr.results) == 4:
+            assert tr.target_engine.end_session(sid)
+
+    out, stats, te, _ = _run(target, draft, prompt, _pv(**FULL_VIEW), hook=drop)
+    assert out == ref and stats.recoveries == 1 and te.specpv_stats.full_reasons["seed"] == 2
+    from specsplit import SamplingParams
+
+    sp = SamplingParams(do_sample=True, temperature=0.9)
+    a, _, te, _ = _run(target, draft, prompt, _pv(n_retrieval_blocks=4), sampling=sp)
+    b, _, _, _ = _run(target, draft, prompt, _pv(n_retrieval_blocks=4), sampling=sp)
+    assert a == b and len(a) == NEW and te.specpv_stats.partial_steps > 0
+
+
+# ---------------------------------------------------------------------- gRPC
+def test_same_behaviour_through_grpc(llama_pair, prompt):
+    pytest.importorskip("grpc")
+    remote = pytest.importorskip("specsplit.remote")
+    target, draft = llama_pair
+    pv = _pv(n_retrieval_blocks=4, full_refresh_interval=3)
+    local_out, local_stats, local_te, _ = _run(target, draft, prompt, pv)
+    te = TargetEngine(target, TargetConfig(specpv=pv))
+    de = DraftEngine(draft)
+    with remote.serve_target(te, port=0) as ts, remote.serve_draft(de, port=0) as ds:
+        tr = remote.GrpcTransport(ts.address, ds.address, timeout_s=60.0)
+        try:
+            out, stats = decode(tr, prompt, DecodeParams(NEW, tree=STATIC), session_id="s")
+        finally:
+            tr.close()
+    assert out == local_out
+    assert [r.accepted for r in stats.rounds] == [r.accepted for r in local_stats.rounds]
+    a, b = te.specpv_stats, local_te.specpv_stats
+    assert a.partial_steps == b.partial_steps > 0 and a.full_reasons == b.full_reasons
+
+
+# ---------------------------------------------------------------------- GPU
+@pytest.mark.large
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_hidden_host_syncs_in_specpv_rounds(prompt, monkeypatch):
+    """After the prefill round, partial steps AND refreshing full steps read the device only once."""
+    from specsplit import verification
+
+    target, draft = (m.to("cuda:0") for m in _pair("llama"))
+    reads = {"n": 0}
+    orig = verification.VerifyOutcome.to_host
+
+    def allowed_read(self, token_ids):
+        reads["n"] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return orig(self, token_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(verification.VerifyOutcome, "to_host", allowed_read)
+    te = TargetEngine(
+        target, TargetConfig(device="cuda:0", specpv=_pv(n_retrieval_blocks=4, full_refresh_interval=3))
+    )
+    tr = LocalTransport(DraftEngine(draft, DraftConfig(device="cuda:0")), te)
+    torch.cuda.synchronize()
+    try:
+        out, stats = decode(
+            tr,
+            prompt,
+            DecodeParams(40, tree=STATIC),
+            on_tokens=lambda _: torch.cuda.set_sync_debug_mode("error"),
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        tr.close()
+    assert reads["n"] == len(stats.rounds) and len(out) == 40
+    s = te.specpv_stats
+    assert s.partial_steps > 0 and s.full_reasons.get("interval", 0) > 0 and s.fallbacks == 0
