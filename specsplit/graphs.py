@@ -102,7 +102,9 @@ class StaticForward:
                 self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # An explicit capture stream on this device: torch's default capture stream is created
+        # once, on whatever device was current then (the draft's GPU, say).
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             b.logits = self._forward(b)
         b.graph = graph
         self.captures += 1
