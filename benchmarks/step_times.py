@@ -59,7 +59,9 @@ def time_ms(fn, reps: int = 50) -> float:
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, name: str, device: torch.device, ctx: int, qs: list[int], bw: float) -> dict:
+def measure(
+    model: torch.nn.Module, name: str, device: torch.device, ctx: int, qs: list[int], bw: float
+) -> dict:
     from specsplit.engine_common import ModelRunner
     from specsplit.graphs import StaticForward
 
@@ -134,7 +136,9 @@ def main() -> None:
     lines = [
         f"# Step times on {gpu} (bf16, context {args.context}; copy bandwidth {bw / 1e9:.0f} GB/s)",
         "",
-        "| model | weights GB | bound ms | eager HF step ms | " + " | ".join(f"graph q={q} ms (x bound)" for q in qs) + " |",
+        "| model | weights GB | bound ms | eager HF step ms | "
+        + " | ".join(f"graph q={q} ms (x bound)" for q in qs)
+        + " |",
         "|---|---|---|---|" + "---|" * len(qs),
     ]
     for r in rows:

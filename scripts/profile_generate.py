@@ -1,6 +1,6 @@
 """Where does a round's time go? One generation with the per-round split and a torch profiler table.
 
-    python scripts/profile_generate.py --target smollm2-135m --draft self:10 --device cuda:0 [--cuda-graphs]
+python scripts/profile_generate.py --target smollm2-135m --draft self:10 --device cuda:0 [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -54,16 +54,24 @@ def main() -> None:
     sync()
     dt = time.perf_counter() - t0
     s = out.spec_stats.summary()
-    print(json.dumps({k: s[k] for k in ("new_tokens", "rounds", "tau", "mean_draft_s", "mean_verify_s", "mean_host_s")}))
+    print(
+        json.dumps(
+            {k: s[k] for k in ("new_tokens", "rounds", "tau", "mean_draft_s", "mean_verify_s", "mean_host_s")}
+        )
+    )
     print(f"specsplit: {s['new_tokens'] / dt:.1f} tok/s")
     with torch.inference_mode():
         target.generate(ids.to(a.device), max_new_tokens=16, do_sample=False)
         sync()
         t0 = time.perf_counter()
-        r = target.generate(ids.to(a.device), max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False)
+        r = target.generate(
+            ids.to(a.device), max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False
+        )
         sync()
     print(f"HF target-only: {(r.shape[1] - ids.shape[1]) / (time.perf_counter() - t0):.1f} tok/s")
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
         gen.generate(ids, max_new_tokens=32, eos_token_id=[])
         sync()

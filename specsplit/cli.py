@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -71,9 +72,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             kwargs[k] = getattr(args, k)
     if args.seed is not None:
         kwargs["generator"] = torch.Generator().manual_seed(args.seed)
-    text, stats = gen.generate_text(
+    result: Any = gen.generate_text(
         args.prompt, chat=not args.raw, streamer=streamer, return_stats=True, **kwargs
     )
+    text, stats = result
     if args.json:
         print(json.dumps({"text": text, "stats": stats.summary()}, indent=2))
     else:

@@ -184,7 +184,10 @@ class DraftEngine:
         )
         if req.prefix_length == 0 and not req.new_token_ids:
             raise InvalidRequest("new_token_ids is empty: a new context needs at least one token")
-        if req.tree.max_nodes > self.config.max_tree_nodes or req.tree.depth_limit > self.config.max_tree_depth:
+        if (
+            req.tree.max_nodes > self.config.max_tree_nodes
+            or req.tree.depth_limit > self.config.max_tree_depth
+        ):
             raise ResourceExhausted(
                 f"tree of {req.tree.max_nodes} nodes / depth {req.tree.depth_limit} exceeds this draft's "
                 f"limits ({self.config.max_tree_nodes} nodes, depth {self.config.max_tree_depth})"
@@ -193,7 +196,9 @@ class DraftEngine:
             raise ResourceExhausted(f"context would exceed the draft's max_context={self.config.max_context}")
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
-        state, existed = self._store.get_or_create(req.session_id, lambda: self._new_state(req.session_id, capacity))
+        state, existed = self._store.get_or_create(
+            req.session_id, lambda: self._new_state(req.session_id, capacity)
+        )
         with self._store.locked(req.session_id):
             root_logits, hit = self._ingest(state, req, stats, capacity)
             gen = make_generator(self.device, req.seed) if req.sampling.do_sample else None
@@ -203,7 +208,9 @@ class DraftEngine:
             finally:
                 state.kv_cache.rollback(committed)
         stats.wall_time_s = time.perf_counter() - t0
-        return DraftResult(tree=tree, prefix_length=state.cached_prompt_len, stats=stats, cache_hit=hit and existed)
+        return DraftResult(
+            tree=tree, prefix_length=state.cached_prompt_len, stats=stats, cache_hit=hit and existed
+        )
 
     # ------------------------------------------------------------------ ingest
     def _ingest(
@@ -325,7 +332,9 @@ class DraftEngine:
         else:
             ones = torch.ones(allowed.shape[0], ctx, dtype=torch.bool, device=allowed.device)
             mask = bool_mask_to_float(torch.cat([ones, allowed], 1)[None, None], self.runner.dtype)
-            logits = self.runner.forward(tokens[None], positions[None], mask, cache, logits_to_keep=tokens.shape[0])
+            logits = self.runner.forward(
+                tokens[None], positions[None], mask, cache, logits_to_keep=tokens.shape[0]
+            )
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += tokens.shape[0]
         stats.forwards += 1
@@ -372,7 +381,9 @@ class DraftEngine:
             tokens[start:end] = tok
             if d + 1 < len(pt.levels):
                 positions = torch.full((end - start,), committed + d, dtype=torch.long, device=dev)
-                parent_logits = self._level_forward(state, tok, pt.anc[start:end, :end], positions, committed, stats)
+                parent_logits = self._level_forward(
+                    state, tok, pt.anc[start:end, :end], positions, committed, stats
+                )
         return TokenTree(tokens, pt.parents, pt.depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
 
     def _grow_dynamic(
@@ -420,7 +431,9 @@ class DraftEngine:
             fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
             n_fw += width
             positions = torch.full((width,), committed + d - 1, dtype=torch.long, device=dev)
-            logits = self._level_forward(state, cat_tok[front], fw_anc[n_fw - width :], positions, committed, stats)
+            logits = self._level_forward(
+                state, cat_tok[front], fw_anc[n_fw - width :], positions, committed, stats
+            )
             probs = logits_to_probs(logits, req.sampling)  # [W, V]
             vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
             lq = vals.clamp_min(1e-30).log()

@@ -90,7 +90,7 @@ class ModelRunner:
         self._prepare(self.model)
         logger.info("loaded %s on %s in %.1fs", self.model_name, self.input_device, time.perf_counter() - t0)
 
-    def _prepare(self, model: torch.nn.Module) -> None:
+    def _prepare(self, model: Any) -> None:
         model.eval()
         if self._device is not None and self._device_map is None and not hasattr(model, "hf_device_map"):
             model.to(self._device)
@@ -157,7 +157,9 @@ class ModelRunner:
         """Raise InvalidRequest for non-int or out-of-vocab ids (host-side, no device work)."""
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size:
-                raise InvalidRequest(f"{what}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidRequest(
+                    f"{what}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
 
 
 def check_capacity(total: int, max_context: int) -> None:
@@ -167,9 +169,7 @@ def check_capacity(total: int, max_context: int) -> None:
         )
 
 
-def make_store(
-    max_sessions: int, ttl_s: float, name: str, on_evict: Any = None
-) -> SessionStore[Any]:
+def make_store(max_sessions: int, ttl_s: float, name: str, on_evict: Any = None) -> SessionStore[Any]:
     store: SessionStore[Any] = SessionStore(max_sessions, ttl_s, on_evict=on_evict, name=name)
     store.start_purger()
     return store

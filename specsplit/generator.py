@@ -22,14 +22,14 @@ from specsplit.transport import Transport
 logger = logging.getLogger(__name__)
 
 # GenerationConfig fields we honour; others that change the distribution are refused or warned about.
-_UNSUPPORTED_IF_SET = {
+_UNSUPPORTED_IF_SET: dict[str, Any] = {
     "num_beams": 1,
     "num_beam_groups": 1,
     "penalty_alpha": None,
     "constraints": None,
     "force_words_ids": None,
 }
-_IGNORED_WARN = {
+_IGNORED_WARN: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_new_tokens": None,
@@ -201,7 +201,9 @@ class SpecSplitGenerator:
         unused = gc.update(**kwargs)
         if unused:
             raise TypeError(f"generate() got unexpected keyword arguments: {sorted(unused)}")
-        return_dict = bool(return_dict_in_generate if return_dict_in_generate is not None else gc.return_dict_in_generate)
+        return_dict = bool(
+            return_dict_in_generate if return_dict_in_generate is not None else gc.return_dict_in_generate
+        )
         params = self._decode_params(gc, input_ids.shape[1], tokenizer or self.tokenizer, generator)
         batch = input_ids.shape[0]
         if streamer is not None and batch > 1:
@@ -236,7 +238,9 @@ class SpecSplitGenerator:
     ) -> DecodeParams:
         for name, default in _UNSUPPORTED_IF_SET.items():
             if getattr(gc, name, default) not in (default, None):
-                raise ConfigError(f"generation option {name}={getattr(gc, name)!r} is not supported by SpecSplit")
+                raise ConfigError(
+                    f"generation option {name}={getattr(gc, name)!r} is not supported by SpecSplit"
+                )
         for name, default in _IGNORED_WARN.items():
             val = getattr(gc, name, default)
             if val is not None and val != default:

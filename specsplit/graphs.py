@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class StaticForward:
         self.device = runner.input_device
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.cache = runner.new_cache(capacity)
-        cfg = getattr(model.config, "text_config", None) or model.config
+        cfg: Any = getattr(model.config, "text_config", None) or model.config
         heads = int(cfg.num_attention_heads)
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -174,7 +175,8 @@ class Workspace:
         """The workspace cache for ``session_id`` if it is free and large enough, else None."""
         if self.owner is not None or needed > self._capacity:
             return None
-        if getattr(self._runner.model, "hf_device_map", None) and len(set(self._runner.model.hf_device_map.values())) > 1:
+        device_map: Any = getattr(self._runner.model, "hf_device_map", None)
+        if device_map and len(set(device_map.values())) > 1:
             return None  # a model spread over devices runs eagerly
         cache = self.static.cache
         cache.set_length(0)

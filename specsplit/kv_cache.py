@@ -219,7 +219,7 @@ class StaticKVCache(Cache):
 
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append without attending (e.g. to preload a prefix computed elsewhere)."""
-        self.layers[layer_idx].update(key_states, value_states)
+        self._static_layers[layer_idx].update(key_states, value_states)
 
     def get_kv_for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The valid `[B, H, seq_len, D]` keys and values of one layer."""

@@ -107,7 +107,14 @@ def decode(
             tree, dres = TokenTree.empty(), None
             if use_draft and remaining > 1:
                 req = DraftRequest(
-                    sid, draft_new, draft_prefix, params.tree, params.sampling, seed_d, remaining - 1, capacity
+                    sid,
+                    draft_new,
+                    draft_prefix,
+                    params.tree,
+                    params.sampling,
+                    seed_d,
+                    remaining - 1,
+                    capacity,
                 )
                 try:
                     dres = _draft(transport, req, prompt + out, stats)

@@ -43,7 +43,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(x, dim=-1)
 
 
-def exponential_noise(shape: torch.Size | tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+def exponential_noise(
+    shape: torch.Size | tuple[int, ...], device: torch.device, generator: torch.Generator | None
+) -> torch.Tensor:
     """`shape` i.i.d. Exp(1) samples (float32), clamped away from 0."""
     e = torch.empty(shape, dtype=torch.float32, device=device).exponential_(1.0, generator=generator)
     return e.clamp_min_(1e-20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ def truncated_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
         raise ValueError("truncated_draft needs a decoder with model.model.layers (Llama/Qwen2 style)")
     if not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
-    cfg = copy.deepcopy(model.config)
+    cfg: Any = copy.deepcopy(model.config)
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = list(cfg.layer_types)[:num_layers]

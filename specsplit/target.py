@@ -189,7 +189,12 @@ class TargetEngine:
         """Keyword form of :meth:`verify`."""
         return self.verify(
             VerifyRequest(
-                session_id, tree, list(pending_token_ids), expected_prefix_length, sampling or SamplingParams(), seed
+                session_id,
+                tree,
+                list(pending_token_ids),
+                expected_prefix_length,
+                sampling or SamplingParams(),
+                seed,
             )
         )
 

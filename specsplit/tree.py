@@ -193,9 +193,11 @@ class TokenTree:
             raise InvalidRequest("tree.depths disagree with tree.parents")
         if max_depth is not None and int(d.max()) > max_depth:
             raise InvalidRequest(f"tree depth {int(d.max())} exceeds the limit {max_depth}")
-        if not bool(torch.isfinite(self.log_probs.detach().cpu().float()).logical_or(
-            self.log_probs.detach().cpu() == -math.inf
-        ).all()):
+        if not bool(
+            torch.isfinite(self.log_probs.detach().cpu().float())
+            .logical_or(self.log_probs.detach().cpu() == -math.inf)
+            .all()
+        ):
             raise InvalidRequest("tree.log_probs contain NaN or +inf")
         if (self.q_ids is None) != (self.q_probs is None):
             raise InvalidRequest("q_ids and q_probs must be given together")
@@ -242,7 +244,7 @@ class TokenTree:
         flat: list[tuple[TokenNode, int, int]] = []  # (node, parent index, depth)
         frontier = [(r, -1, 1) for r in roots]
         while frontier:
-            nxt = []
+            nxt: list[tuple[TokenNode, int, int]] = []
             for node, parent, depth in frontier:
                 flat.append((node, parent, depth))
                 me = len(flat) - 1
@@ -339,9 +341,7 @@ def static_plan_from_paths(paths: Sequence[Sequence[int]]) -> StaticTreePlan:
         children.setdefault(par, []).append(p[-1])
     for par, rs in children.items():
         if sorted(rs) != list(range(len(rs))):
-            raise ValueError(
-                f"children of node {par} have ranks {sorted(rs)}; they must be 0..{len(rs) - 1}"
-            )
+            raise ValueError(f"children of node {par} have ranks {sorted(rs)}; they must be 0..{len(rs) - 1}")
     levels = []
     for d in range(1, (max(depths) if depths else 0) + 1):
         idx = tuple(i for i in range(len(norm)) if depths[i] == d)

@@ -68,9 +68,7 @@ def build_tree_attention(
         allowed, pos = tree_rows, tree_pos
     else:
         causal = torch.ones(prefix_length, prefix_length, dtype=torch.bool, device=dev).tril()
-        prefix_rows = torch.cat(
-            [causal, torch.zeros(prefix_length, n, dtype=torch.bool, device=dev)], dim=1
-        )
+        prefix_rows = torch.cat([causal, torch.zeros(prefix_length, n, dtype=torch.bool, device=dev)], dim=1)
         allowed = torch.cat([prefix_rows, tree_rows], dim=0)
         pos = torch.cat([torch.arange(prefix_length, device=dev), tree_pos])
     return bool_mask_to_float(allowed[None, None], dtype), pos[None].long()

@@ -71,7 +71,9 @@ def children_table(parents: torch.Tensor, max_branch: int) -> torch.Tensor:
     return wide[:, :-1].contiguous()
 
 
-def _follow_path(accepted_child: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _follow_path(
+    accepted_child: torch.Tensor, max_depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk ``accepted_child`` (`[N + 1]` node index or -1) from row 0.
 
     Returns ``(path [D], num_accepted [], last_row [])``.
@@ -90,7 +92,9 @@ def _follow_path(accepted_child: torch.Tensor, max_depth: int) -> tuple[torch.Te
     return path, count, row
 
 
-def verify_greedy(target_logits: torch.Tensor, tree: TokenTree, max_depth: int, max_branch: int) -> VerifyOutcome:
+def verify_greedy(
+    target_logits: torch.Tensor, tree: TokenTree, max_depth: int, max_branch: int
+) -> VerifyOutcome:
     """Longest path whose every token equals the target's argmax, then the target's next token.
 
     Args:

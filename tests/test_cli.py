@@ -36,6 +36,16 @@ def test_generate_cli_json(model_dirs, llama_target, capsys):
 
 
 def test_generate_cli_reports_errors(model_dirs, capsys):
-    rc = main(["generate", "xaa", "--target", str(model_dirs / "nope"), "--draft", str(model_dirs / "draft"), "--raw"])
+    rc = main(
+        [
+            "generate",
+            "xaa",
+            "--target",
+            str(model_dirs / "nope"),
+            "--draft",
+            str(model_dirs / "draft"),
+            "--raw",
+        ]
+    )
     assert rc == 2
     assert "error" in capsys.readouterr().err

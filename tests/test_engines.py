@@ -30,7 +30,9 @@ PROMPT = [5, 17, 33, 81, 9]
 
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
 def test_exactly_one_target_forward_per_round(llama_target, llama_draft_random, shape):
-    gen = SpecSplitGenerator(llama_target, llama_draft_random, config=SpecSplitConfig(tree=TreeConfig(shape=shape)))
+    gen = SpecSplitGenerator(
+        llama_target, llama_draft_random, config=SpecSplitConfig(tree=TreeConfig(shape=shape))
+    )
     before = gen.target_engine.forward_count
     res = gen.generate(torch.tensor([PROMPT]), max_new_tokens=20, return_dict_in_generate=True)
     assert gen.target_engine.forward_count - before == len(res.spec_stats.rounds)

@@ -71,7 +71,9 @@ def test_target_only_without_draft(llama_target):
 @pytest.mark.parametrize("n", [1, 2, 5, 13])
 def test_max_new_tokens_never_overshoots(llama_target, n):
     ids = torch.tensor([PROMPTS[0]])
-    with SpecSplitGenerator(llama_target, llama_target, config=SpecSplitConfig(tree=TreeConfig(shape="static"))) as gen:
+    with SpecSplitGenerator(
+        llama_target, llama_target, config=SpecSplitConfig(tree=TreeConfig(shape="static"))
+    ) as gen:
         out = gen.generate(ids, max_new_tokens=n)
     assert out.shape == (1, len(PROMPTS[0]) + n)
     assert torch.equal(out, _hf(llama_target, ids, None, n))
@@ -149,7 +151,9 @@ def test_generate_text_chat_template(llama_target, tokenizer):
 
 def test_return_dict_stats_are_consistent(llama_target, llama_draft_random):
     ids, mask = _batch(PROMPTS)
-    with SpecSplitGenerator(llama_target, llama_draft_random, config=SpecSplitConfig(tree=TreeConfig(shape="static"))) as gen:
+    with SpecSplitGenerator(
+        llama_target, llama_draft_random, config=SpecSplitConfig(tree=TreeConfig(shape="static"))
+    ) as gen:
         res = gen.generate(ids, attention_mask=mask, max_new_tokens=15, return_dict_in_generate=True)
     assert len(res.per_sequence_stats) == 3
     assert res.spec_stats.new_tokens == sum(s.new_tokens for s in res.per_sequence_stats) == 45

@@ -17,7 +17,9 @@ from specsplit.sampling import logits_to_probs, sample, sample_without_replaceme
 from specsplit.verification import children_table, verify_greedy, verify_stochastic
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)]
+)
 def test_logits_to_probs_matches_hf_warpers(temperature, top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(4, 300) * 3
@@ -27,7 +29,9 @@ def test_logits_to_probs_matches_hf_warpers(temperature, top_k, top_p):
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
     ref = torch.softmax(procs(None, logits.clone()), dim=-1)
-    ours = logits_to_probs(logits, SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p))
+    ours = logits_to_probs(
+        logits, SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    )
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
 
 
@@ -96,7 +100,9 @@ def test_stochastic_never_accepts_zero_probability_or_padding():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.3, 0.3, 0.4]])
     tree = _tree([0], [-1])  # p(0) = 0 at the context row
     for seed in range(20):
-        nodes, _, nxt = verify_stochastic(p, tree, 1, 1, torch.Generator().manual_seed(seed)).to_host(tree.token_ids)
+        nodes, _, nxt = verify_stochastic(p, tree, 1, 1, torch.Generator().manual_seed(seed)).to_host(
+            tree.token_ids
+        )
         assert nodes == [] and nxt == 1
     pad = _tree([1], [-1], torch.tensor([[1, 2]]), torch.tensor([[0.0, 0.0]]))  # never drawn
     nodes, _, nxt = verify_stochastic(p, pad, 1, 1, torch.Generator().manual_seed(0)).to_host(pad.token_ids)
