@@ -155,7 +155,9 @@ class QueryRecorder:
 
     def record(self, layer_idx: int, query: torch.Tensor) -> None:
         # A copy, not a view: a view would keep a prefill-sized query tensor alive per layer.
-        self.queries[layer_idx] = query[:, :, -self.rows :].detach().clone()
+        self.queries[layer_idx] = (
+            query[:, :, -self.rows :].detach().clone(memory_format=torch.contiguous_format)
+        )
 
 
 def specpv_attention(
