@@ -113,6 +113,7 @@ class BenchOptions:
     tag: str = ""
     notes: list[str] = field(default_factory=list)
     command: str = ""
+    tie_analysis: bool | None = None  # None: when the dtype is not float32 and an output differs
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -193,7 +194,12 @@ def _timed(
 
 
 def _measure(
-    decoders: list[Decoder], prompts: list[BenchPrompt], repeats: int, max_new: int, devices: Sequence[str]
+    decoders: list[Decoder],
+    prompts: list[BenchPrompt],
+    repeats: int,
+    max_new: int,
+    devices: Sequence[str],
+    tokens: dict[tuple[str, str], list[int]] | None = None,
 ) -> list[RunRecord]:
     """Warm every decoder up, then time repeat -> prompt -> decoder; mark matches with the baseline."""
     warm = torch.tensor([prompts[0].input_ids[-16:]], dtype=torch.long)
@@ -202,7 +208,7 @@ def _measure(
         _timed(dec, warm, min(6, max_new), devices)
         logger.info("warm-up %-22s %.2f s", dec.name, time.perf_counter() - t0)
     records: list[RunRecord] = []
-    tokens: dict[tuple[str, str], list[int]] = {}  # first repeat's new tokens per (decoder, prompt)
+    tokens = {} if tokens is None else tokens  # first repeat's new tokens per (decoder, prompt)
     for rep in range(repeats):
         for p in prompts:
             ids = torch.tensor([p.input_ids], dtype=torch.long)
@@ -268,8 +274,9 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
     )
+    new_tokens: dict[tuple[str, str], list[int]] = {}
     try:
-        records = _measure(decoders, prompts, repeats, max_new, devices)
+        records = _measure(decoders, prompts, repeats, max_new, devices, new_tokens)
     finally:
         for dec in decoders:
             dec.close()
@@ -316,6 +323,11 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         "summary": summarize(records, names, categories, BASELINE, ASSISTED),
         "runs": [asdict(r) for r in records],
     }
+    from specsplit.bench_ties import bench_tie_analysis  # greedy mismatches: near-ties or not?
+
+    ties = bench_tie_analysis(models, prompts, new_tokens, BASELINE, opts.tie_analysis)
+    if ties is not None:
+        result["tie_analysis"] = ties
     stem = f"{info['slug']}-{time.strftime('%Y-%m-%d', now)}" + ("-smoke" if suite.tiny else "")
     stem += f"-{opts.tag}" if opts.tag else ""
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -324,12 +336,19 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         "md": opts.out / f"{stem}.md",
         "png": opts.out / f"{stem}.png",
     }
-    files["md"].write_text(to_markdown(result), encoding="utf-8")
+    files["md"].write_text(_markdown(result), encoding="utf-8")
     if not write_plot(result, files["png"]):
         del files["png"]
     result["files"] = {k: str(v) for k, v in files.items()}
     files["json"].write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return result
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    """The report's markdown, with the near-tie analysis section when the run has one."""
+    from specsplit.bench_ties import to_markdown as ties_markdown
+
+    return to_markdown(result) + ties_markdown(result.get("tie_analysis"))
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -377,6 +396,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", default="", help="suffix for the result file names")
     p.add_argument("--note", action="append", default=[], help="a note stored with the results (repeatable)")
     p.add_argument(
+        "--tie-analysis",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check every greedy mismatch vs hf-target is a numerical near-tie (float32 copy of the target); "
+        "default: when the dtype is not float32 and some output differs",
+    )
+    p.add_argument(
         "--from-json",
         type=Path,
         default=None,
@@ -392,7 +418,7 @@ def _rerender(path: Path) -> int:
         print(f"specsplit bench: {path} is not a {SCHEMA} results file", file=sys.stderr)
         return 2
     md, png = path.with_suffix(".md"), path.with_suffix(".png")
-    md.write_text(to_markdown(result), encoding="utf-8")
+    md.write_text(_markdown(result), encoding="utf-8")
     print(f"wrote md: {md}")
     if write_plot(result, png):
         print(f"wrote png: {png}")
@@ -419,6 +445,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
         parts.append("--cuda-graphs")
+    if args.tie_analysis is not None:
+        parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]
     if Path(args.prompts).resolve() != DEFAULT_PROMPTS:
         parts += ["--prompts", str(args.prompts)]
@@ -450,6 +478,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tag=args.tag,
         notes=list(args.note),
         command=_command_line(args, device),
+        tie_analysis=args.tie_analysis,
     )
     counts = (
         opts.num_draft_tokens,
@@ -470,7 +499,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"specsplit bench: error: {e}", file=sys.stderr)
         return 2
-    print(to_markdown(result))
+    print(_markdown(result))
     for kind, path in result["files"].items():
         print(f"wrote {kind}: {path}")
     return 0

@@ -9,6 +9,8 @@
 ``specsplit-chain``          (d) chain of K draft tokens
 ``specsplit-static``         (d) the default static tree
 ``specsplit-dynamic``        (d) the default dynamic (EAGLE-2 style) tree
+``specsplit-overlap-chain``  (d) chain of K, overlapped pipeline (next round drafted during verification)
+``specsplit-overlap-dynamic``(d) the default dynamic tree, overlapped pipeline
 ``specsplit-grpc``           (e) chain of K over gRPC, both workers in this process on loopback ports
 ===========================  =============================================================================
 
@@ -39,6 +41,8 @@ DECODERS = (
     "specsplit-chain",
     "specsplit-static",
     "specsplit-dynamic",
+    "specsplit-overlap-chain",
+    "specsplit-overlap-dynamic",
     "specsplit-grpc",
 )
 BASELINE, ASSISTED = "hf-target", "hf-assisted"
@@ -282,6 +286,9 @@ def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: C
             "verify": sum(r.verify_s for r in rs),
             "transport": sum(r.transport_s for r in rs),
             "host": sum(r.host_s for r in rs),
+            "overlap_draft": sum(r.overlap_draft_s for r in rs),
+            "spec_rounds": float(out.spec_stats.spec_rounds),
+            "spec_hits": float(out.spec_stats.spec_hits),
         }
         new = out.sequences[0, ids.shape[1] :].tolist()
         return DecodeOutput(new, [(r.drafted_depth, r.accepted) for r in rs], split)
@@ -338,6 +345,8 @@ def build_decoders(
         "specsplit-static": TreeConfig(shape="static"),
         "specsplit-dynamic": TreeConfig(shape="dynamic"),
     }
+    trees["specsplit-overlap-chain"] = trees["specsplit-chain"]
+    trees["specsplit-overlap-dynamic"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -350,6 +359,9 @@ def build_decoders(
         "specsplit-dynamic": "SpecSplit local, dynamic tree (top-{0.topk}, width {0.width}, budget {0.budget}, "
         "depth {0.max_depth})".format(trees["specsplit-dynamic"]),
     }
+    where = f"draft on {m.draft_device}, target on {m.device}"
+    labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"
+    labels["specsplit-overlap-dynamic"] = f"{labels['specsplit-dynamic']}, overlapped pipeline ({where})"
     if cuda_graphs:
         labels = {n: (f"{v}, CUDA graphs" if n.startswith("specsplit") else v) for n, v in labels.items()}
     decoders: list[Decoder] = []
@@ -383,6 +395,7 @@ def build_decoders(
                     sync_timing=sync,
                     draft=DraftConfig(cuda_graphs=cuda_graphs),
                     target=TargetConfig(cuda_graphs=cuda_graphs),
+                    overlap=name.startswith("specsplit-overlap"),
                 )
                 gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)
                 decoders.append(_specsplit_decoder(name, labels[name], m, gen, gen.close))

@@ -132,7 +132,8 @@ def scope_metrics(
     acc = _sum_lists([x.pos_accepted for x in recs])
     split = None
     if recs and all(x.split_s is not None for x in recs) and rounds:
-        split = {k: 1000.0 * sum((x.split_s or {}).get(k, 0.0) for x in recs) / rounds for k in SPLIT_KEYS}
+        keys = (*SPLIT_KEYS, "overlap_draft")
+        split = {k: 1000.0 * sum((x.split_s or {}).get(k, 0.0) for x in recs) / rounds for k in keys}
     first = min((x.repeat for x in recs), default=0)
     matches = [x.matches_baseline for x in recs if x.repeat == first and x.matches_baseline is not None]
     n_prompts = len({x.prompt_id for x in recs})
@@ -151,7 +152,14 @@ def scope_metrics(
             {x.prompt_id for x in recs if x.repeat == first and x.matches_baseline is False}
         ),
         "time_split_ms_per_round": split,
+        "overlap_hit_rate": _hit_rate(recs),
     }
+
+
+def _hit_rate(recs: Sequence[RunRecord]) -> float | None:
+    """Overlapped pipeline: share of speculative next-round drafts that held (None: not overlapped)."""
+    tried = sum((x.split_s or {}).get("spec_rounds", 0.0) for x in recs)
+    return sum((x.split_s or {}).get("spec_hits", 0.0) for x in recs) / tried if tried else None
 
 
 def summarize(
@@ -298,6 +306,15 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"| {_fmt_spread(m['speedup_vs_hf_assisted'], suffix='×')} | {_fmt(m['tau'])} "
             f"| {_fmt(m['acceptance_rate'])} | {_fmt(m['exact_match_rate'], '.0%')} | {split_s} |"
         )
+    for d in decs:
+        m = summary[d]["overall"]
+        if m.get("overlap_hit_rate") is not None:
+            spec = (m["time_split_ms_per_round"] or {}).get("overlap_draft")
+            lines.append(
+                f"\n`{d}`: speculative next-round draft held in {m['overlap_hit_rate']:.0%} of rounds"
+                + (f"; it ran {spec:.1f} ms per round beside verification" if spec is not None else "")
+                + " (the draft column is the blocking draft of the rounds where it did not hold)."
+            )
     lines += ["", "Decoders:", ""]
     lines += [f"- `{d}`: {labels.get(d, '')}" for d in decs]
     cats = [c for c in cfg["categories"] if any(c in summary[d]["by_category"] for d in decs)]

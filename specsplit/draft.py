@@ -46,6 +46,8 @@ class DraftCacheState:
     cached_prompt_ids: list[int]
     cached_last_logits: torch.Tensor | None = None  # [vocab]
     static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
+    last_tree: TokenTree | None = None  # the tree drafted last (speculation extends its main path)
+    spec_base: int | None = None  # length confirmed by the caller before a speculative extension
 
     @property
     def cached_prompt_len(self) -> int:
@@ -178,10 +180,14 @@ class DraftEngine:
                     f"({req.tree.static_plan().max_branch}); raise q_top_k"
                 )
         stats = WorkerStats(device=str(self.device))
+        extra = req.tree.depth_limit + 1 if req.speculate else 0  # main path + guessed bonus
         capacity = max(
             min(req.capacity_hint, self.config.max_context),
-            req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes + 8,
+            req.prefix_length + len(req.new_token_ids) + extra + req.tree.max_nodes + 8,
         )
+        if req.speculate and (req.new_token_ids or req.prefix_length <= 0):
+            raise InvalidRequest("a speculative draft request extends an existing session: "
+                                 "new_token_ids must be empty and prefix_length > 0")  # fmt: skip
         if req.prefix_length == 0 and not req.new_token_ids:
             raise InvalidRequest("new_token_ids is empty: a new context needs at least one token")
         if (
@@ -192,7 +198,7 @@ class DraftEngine:
                 f"tree of {req.tree.max_nodes} nodes / depth {req.tree.depth_limit} exceeds this draft's "
                 f"limits ({self.config.max_tree_nodes} nodes, depth {self.config.max_tree_depth})"
             )
-        if req.prefix_length + len(req.new_token_ids) + req.tree.max_nodes > self.config.max_context:
+        if req.prefix_length + len(req.new_token_ids) + extra + req.tree.max_nodes > self.config.max_context:
             raise ResourceExhausted(f"context would exceed the draft's max_context={self.config.max_context}")
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
@@ -200,17 +206,51 @@ class DraftEngine:
             req.session_id, lambda: self._new_state(req.session_id, capacity)
         )
         with self._store.locked(req.session_id):
-            root_logits, hit = self._ingest(state, req, stats, capacity)
+            assumed: list[int] = []
+            if req.speculate:
+                root_logits, assumed = self._speculate(state, req, stats, capacity)
+                hit = True
+            else:
+                root_logits, hit = self._ingest(state, req, stats, capacity)
+                state.spec_base = None
             gen = make_generator(self.device, req.seed) if req.sampling.do_sample else None
             committed = state.kv_cache.seq_len
+            depth = req.tree.depth_limit
+            if req.max_depth is not None:
+                depth = min(depth, req.max_depth - len(assumed))
             try:
-                tree = self._grow(state, root_logits, req, gen, stats)
+                tree = self._grow(state, root_logits, req, gen, stats, depth)
             finally:
                 state.kv_cache.rollback(committed)
+            state.last_tree = tree
         stats.wall_time_s = time.perf_counter() - t0
         return DraftResult(
-            tree=tree, prefix_length=state.cached_prompt_len, stats=stats, cache_hit=hit and existed
+            tree=tree,
+            prefix_length=state.cached_prompt_len,
+            stats=stats,
+            cache_hit=hit and existed,
+            assumed_token_ids=assumed,
         )
+
+    # ------------------------------------------------------------------ speculation (overlap)
+    def _speculate(
+        self, state: DraftCacheState, req: DraftRequest, stats: WorkerStats, capacity: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Extend the session by its last tree's main path and its own next token (see DraftRequest)."""
+        if req.prefix_length != state.cached_prompt_len:
+            raise CacheDesyncError(
+                f"draft session {req.session_id!r} holds {state.cached_prompt_len} tokens, "
+                f"caller expected {req.prefix_length}; resend the full context",
+                expected=req.prefix_length,
+                actual=state.cached_prompt_len,
+            )
+        if state.cached_last_logits is None:
+            raise InvalidRequest("nothing to speculate from: the session has no pending logits")
+        path = main_path(state.last_tree) if state.last_tree is not None else []
+        state.spec_base = req.prefix_length
+        logits = self._feed(state, path, req, stats, capacity) if path else state.cached_last_logits
+        guess = int(logits.argmax())  # one host read, overlapped with the target's verification
+        return self._feed(state, [guess], req, stats, capacity), path + [guess]
 
     # ------------------------------------------------------------------ ingest
     def _ingest(
@@ -233,6 +273,21 @@ class DraftEngine:
             state.kv_cache.rollback(lcp)
             state.cached_prompt_ids = list(new[:lcp])
             todo, hit = new[lcp:], lcp > 0
+        elif state.spec_base is not None and req.prefix_length == state.spec_base < state.cached_prompt_len:
+            # The guess of a speculative extension was wrong: keep the part of it that matches.
+            tail = state.cached_prompt_ids[req.prefix_length :]
+            if not new:
+                raise InvalidRequest("new_token_ids is empty after a speculative extension")
+            lcp = 0
+            for a, b in zip(tail, new, strict=False):
+                if a != b:
+                    break
+                lcp += 1
+            lcp = min(lcp, len(new) - 1)  # the last token is fed again: its logits are needed
+            keep = req.prefix_length + lcp
+            state.kv_cache.rollback(keep)
+            del state.cached_prompt_ids[keep:]
+            todo, hit = new[lcp:], True
         else:
             if req.prefix_length != state.cached_prompt_len:
                 raise CacheDesyncError(
@@ -246,6 +301,12 @@ class DraftEngine:
                     raise InvalidRequest("new_token_ids is empty and the session has no pending logits")
                 return state.cached_last_logits, True
             todo, hit = new, True
+        return self._feed(state, todo, req, stats, capacity), hit
+
+    def _feed(
+        self, state: DraftCacheState, todo: list[int], req: DraftRequest, stats: WorkerStats, capacity: int
+    ) -> torch.Tensor:
+        """Append ``todo`` to the session (one causal forward); the logits after its last token."""
         cache = state.kv_cache
         length = cache.seq_len
         n_in = req.tree.depth_limit + 1  # the most a round commits: accepted + 1
@@ -273,7 +334,7 @@ class DraftEngine:
         stats.forwards += 1
         state.cached_prompt_ids.extend(todo)
         state.cached_last_logits = logits
-        return logits, hit
+        return logits
 
     # ------------------------------------------------------------------ tree growth
     def _grow(
@@ -283,8 +344,8 @@ class DraftEngine:
         req: DraftRequest,
         gen: torch.Generator | None,
         stats: WorkerStats,
+        depth: int,
     ) -> TokenTree:
-        depth = req.tree.depth_limit if req.max_depth is None else min(req.max_depth, req.tree.depth_limit)
         if depth <= 0:
             return TokenTree.empty(self.device)
         if req.tree.shape == "dynamic":
@@ -467,3 +528,21 @@ class DraftEngine:
 
     def __repr__(self) -> str:
         return f"DraftEngine(model={self.runner.model_name!r}, sessions={self.active_sessions})"
+
+
+def main_path(tree: TokenTree) -> list[int]:
+    """Token ids along the first child of every level, root to leaf (the draft's likeliest path:
+    children are stored best first). One small host read of the tree."""
+    if tree.num_nodes == 0:
+        return []
+    n = tree.num_nodes
+    idx = torch.arange(n, device=tree.device)
+    first = torch.full((n + 1,), n, dtype=torch.long, device=tree.device)
+    first.scatter_reduce_(0, tree.parents + 1, idx, reduce="amin")  # first child of each node (+1)
+    packed = torch.cat([first, tree.token_ids]).tolist()
+    first_child, tokens = packed[: n + 1], packed[n + 1 :]
+    path, node = [], first_child[0]
+    while node < n:  # at most the tree depth
+        path.append(tokens[node])
+        node = first_child[node + 1]
+    return path

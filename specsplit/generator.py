@@ -274,6 +274,7 @@ class SpecSplitGenerator:
             tokenizer=tokenizer,
             generator=generator,
             after_draft=after,
+            overlap=self.config.overlap,
         )
 
     @staticmethod

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class DecodeParams:
     tokenizer: Any = None  # needed for stop strings
     generator: torch.Generator | None = None  # CPU RNG the per-round seeds are drawn from
     after_draft: Callable[[], None] | None = None  # e.g. a device sync for exact timing
+    overlap: bool = False  # draft round N+1 (speculatively) while round N verifies
 
 
 class _StopChecker:
@@ -85,6 +87,13 @@ def decode(
 ) -> tuple[list[int], SpecStats]:
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt``.
 
+    With ``params.overlap`` the draft side drafts round N+1 while the target verifies round N,
+    assuming round N accepts the draft's main path and the target's next token equals the draft's
+    own guess (``DraftRequest.speculate``). On a hit the next tree is ready when verification
+    returns; on a miss it is dropped and the next tree is drafted from the committed context as in
+    sequential mode. Per-round seeds are drawn in the same order either way, so the committed
+    tokens are the same as sequential mode's.
+
     Returns:
         ``(new token ids, stats)``; the session is ended on both sides before returning.
     """
@@ -94,47 +103,66 @@ def decode(
     stats = SpecStats(prompt_tokens=len(prompt))
     stopper = _StopChecker(params)
     out: list[int] = []
-    capacity = len(prompt) + params.max_new_tokens + params.tree.max_nodes + 8
+    overlap = params.overlap and transport.has_draft
+    extra = params.tree.depth_limit + 1 if overlap else 0  # a speculative extension's tokens
+    capacity = len(prompt) + params.max_new_tokens + params.tree.max_nodes + extra + 8
     use_draft = transport.has_draft
     draft_prefix, draft_new = 0, list(prompt)
     target_prefix, pending = 0, list(prompt)
+    ready: DraftResult | None = None  # next round's tree, drafted speculatively (a hit)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="specsplit-verify") if overlap else None
+    seeds = _round_seeds(params)
     t_start = time.perf_counter()
     try:
         while len(out) < params.max_new_tokens:
             remaining = params.max_new_tokens - len(out)
-            seed_d, seed_v = _round_seeds(params)
+            seed_d, seed_v = seeds
             t0 = time.perf_counter()
             tree, dres = TokenTree.empty(), None
             if use_draft and remaining > 1:
-                req = DraftRequest(
-                    sid,
-                    draft_new,
-                    draft_prefix,
-                    params.tree,
-                    params.sampling,
-                    seed_d,
-                    remaining - 1,
-                    capacity,
-                )
-                try:
-                    dres = _draft(transport, req, prompt + out, stats)
-                    tree, draft_prefix, draft_new = dres.tree, dres.prefix_length, []
-                except TransportError as e:
-                    logger.warning("draft unreachable (%s); continuing target-only, output is unchanged", e)
-                    use_draft, stats.draft_fallback = False, True
-                if params.after_draft is not None:
-                    params.after_draft()
+                if ready is not None:
+                    dres, ready = ready, None
+                    tree = dres.tree
+                else:
+                    req = DraftRequest(sid, draft_new, draft_prefix, params.tree, params.sampling, seed_d,
+                                       remaining - 1, capacity)  # fmt: skip
+                    try:
+                        dres = _draft(transport, req, prompt + out, stats)
+                        tree, draft_prefix, draft_new = dres.tree, dres.prefix_length, []
+                    except TransportError as e:
+                        logger.warning(
+                            "draft unreachable (%s); continuing target-only, output is unchanged", e
+                        )
+                        use_draft, stats.draft_fallback = False, True
+                    if params.after_draft is not None:
+                        params.after_draft()
             t1 = time.perf_counter()
             vreq = VerifyRequest(sid, tree, pending, target_prefix, params.sampling, seed_v, capacity)
-            vres = _verify(transport, vreq, prompt + out, stats)
-            t2 = time.perf_counter()
+            seeds = _round_seeds(params)  # next round's, drawn before speculation uses them
+            spec, spec_s = None, 0.0
+            if pool is not None and use_draft and dres is not None and remaining > 2:
+                job = pool.submit(_timed_verify, transport, vreq, prompt + out, stats)
+                spec, spec_s = _speculate(
+                    transport, sid, draft_prefix, params, seeds[0], remaining - 1, capacity
+                )
+                vres, t2 = job.result()
+            else:
+                vres, t2 = _timed_verify(transport, vreq, prompt + out, stats)
             new = vres.accepted_token_ids + [vres.next_token_id]
             kept, stopped = stopper.cut(out, new[:remaining])
             out.extend(kept)
             if on_tokens is not None:
                 on_tokens(kept)
             target_prefix, pending = vres.prefix_length, [vres.next_token_id]
-            draft_new = draft_new + new
+            hit = None
+            if spec is not None:
+                hit = not stopped and spec.assumed_token_ids == new and len(kept) == len(new)
+                stats.spec_rounds += 1
+                stats.spec_hits += hit
+            if hit:
+                ready, draft_prefix, draft_new = spec, spec.prefix_length, []  # type: ignore[union-attr]
+            else:
+                draft_new = draft_new + new
             t3 = time.perf_counter()
             server = (dres.stats.wall_time_s if dres else 0.0) + vres.stats.wall_time_s
             stats.rounds.append(
@@ -145,21 +173,55 @@ def decode(
                     tree_nodes=vres.num_nodes,
                     draft_s=t1 - t0,
                     verify_s=t2 - t1,
-                    host_s=t3 - t2,
+                    host_s=t3 - max(t2, t1 + spec_s),
                     transport_s=max(0.0, (t2 - t0) - server) if dres is not None or not use_draft else 0.0,
                     draft_model_s=dres.stats.model_time_s if dres else 0.0,
                     verify_model_s=vres.stats.model_time_s,
+                    overlap_draft_s=spec_s,
+                    spec_hit=hit,
                 )
             )
             if stopped:
                 break
     finally:
         stats.wall_time_s = time.perf_counter() - t_start
+        if pool is not None:
+            pool.shutdown(wait=True)
         try:
             transport.end_session(sid)
         except Exception as e:  # cleanup must not mask the real error; TTL frees it anyway
             logger.warning("could not end session %s: %s", sid, e)
     return out, stats
+
+
+def _timed_verify(
+    transport: Transport, req: VerifyRequest, context: list[int], stats: SpecStats
+) -> tuple[VerifyResult, float]:
+    res = _verify(transport, req, context, stats)
+    return res, time.perf_counter()
+
+
+def _speculate(
+    transport: Transport,
+    sid: str,
+    prefix: int,
+    params: DecodeParams,
+    seed: int | None,
+    budget: int,
+    capacity: int,
+) -> tuple[DraftResult | None, float]:
+    """Draft the next round assuming this one accepts the main path (runs beside verification).
+
+    Any failure only costs the speculation: the next round drafts from the committed context.
+    """
+    t = time.perf_counter()
+    req = DraftRequest(sid, [], prefix, params.tree, params.sampling, seed, budget, capacity, speculate=True)
+    try:
+        res: DraftResult | None = transport.draft(req)
+    except (TransportError, CacheDesyncError, SessionNotFound) as e:
+        logger.info("speculative draft failed (%s); the next round drafts normally", e)
+        res = None
+    return res, time.perf_counter() - t
 
 
 def _draft(transport: Transport, req: DraftRequest, context: list[int], stats: SpecStats) -> DraftResult:

@@ -199,6 +199,7 @@ class TargetEngine:
         )
 
     # ------------------------------------------------------------------ main entry
+    @torch.inference_mode()
     def verify(self, req: VerifyRequest) -> VerifyResult:
         """Verify ``req.tree`` below ``req.pending_token_ids`` in one forward.
 

@@ -21,6 +21,8 @@ class RoundStats:
     transport_s: float = 0.0  # call time not spent inside the engines
     draft_model_s: float = 0.0
     verify_model_s: float = 0.0
+    overlap_draft_s: float = 0.0  # overlapped mode: the speculative draft beside verification
+    spec_hit: bool | None = None  # overlapped mode: did this round's speculation hold (None: none ran)
 
 
 @dataclass
@@ -32,6 +34,8 @@ class SpecStats:
     prompt_tokens: int = 0
     recoveries: int = 0  # desync / lost-session recoveries
     draft_fallback: bool = False  # the draft became unreachable and decoding went on target-only
+    spec_rounds: int = 0  # overlapped mode: rounds that drafted the next round speculatively
+    spec_hits: int = 0  # ... whose speculation held (the next tree was ready)
 
     @property
     def new_tokens(self) -> int:
@@ -75,6 +79,8 @@ class SpecStats:
             out.prompt_tokens += p.prompt_tokens
             out.recoveries += p.recoveries
             out.draft_fallback |= p.draft_fallback
+            out.spec_rounds += p.spec_rounds
+            out.spec_hits += p.spec_hits
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -94,6 +100,7 @@ class SpecStats:
             "mean_transport_s": sum(r.transport_s for r in self.rounds) / n,
             "recoveries": self.recoveries,
             "draft_fallback": self.draft_fallback,
+            "overlap_hit_rate": self.spec_hits / self.spec_rounds if self.spec_rounds else None,
         }
 
     def to_dict(self) -> dict[str, Any]:

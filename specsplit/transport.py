@@ -49,6 +49,13 @@ class DraftRequest:
         seed: seed for this round's draft randomness (sampling only).
         max_depth: cap on the tree depth this round (used near ``max_new_tokens``); ``None`` = shape's own.
         capacity_hint: total tokens the session may reach (sizes the cache once).
+        speculate: overlapped pipeline: instead of ingesting ``new_token_ids`` (which must be
+            empty), extend the session by the main path of the tree it drafted last (first child
+            at every level) plus the draft's own greedy next token, a guess of the target's bonus
+            token, and grow the tree from there. The result's ``assumed_token_ids`` lists those
+            tokens; ``max_depth`` then caps ``assumed + tree depth``. If the guess turns out wrong
+            the caller sends a normal request with the pre-speculation ``prefix_length`` and the
+            engine drops the speculative tail, reusing the part that matches.
     """
 
     session_id: str
@@ -59,6 +66,7 @@ class DraftRequest:
     seed: int | None = None
     max_depth: int | None = None
     capacity_hint: int = 0
+    speculate: bool = False
 
 
 @dataclass
@@ -69,6 +77,7 @@ class DraftResult:
     prefix_length: int
     stats: WorkerStats = field(default_factory=WorkerStats)
     cache_hit: bool = False  # the session (or a matching prefix) was reused
+    assumed_token_ids: list[int] = field(default_factory=list)  # speculate: the tokens assumed committed
 
 
 @dataclass

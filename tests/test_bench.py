@@ -13,7 +13,15 @@ from specsplit.bench_decoders import DECODERS
 from specsplit.bench_report import RunRecord, first_difference, rounds_to_counts, summarize
 from specsplit.cli import main
 
-SPECULATIVE = ("hf-assisted", "specsplit-chain", "specsplit-static", "specsplit-dynamic", "specsplit-grpc")
+SPECULATIVE = (
+    "hf-assisted",
+    "specsplit-chain",
+    "specsplit-static",
+    "specsplit-dynamic",
+    "specsplit-overlap-chain",
+    "specsplit-overlap-dynamic",
+    "specsplit-grpc",
+)
 _METRICS = {
     "prompts": int,
     "new_tokens_per_prompt": float,
@@ -107,7 +115,10 @@ def test_smoke_speculative_decoders_draft_and_accept(smoke: tuple[dict, Path]) -
     )
     assert summary["hf-target"]["overall"]["tau"] == 1.0
     split = summary["specsplit-chain"]["overall"]["time_split_ms_per_round"]
-    assert set(split) == {"draft", "verify", "transport", "host"} and split["verify"] > 0
+    assert set(split) == {"draft", "verify", "transport", "host", "overlap_draft"} and split["verify"] > 0
+    assert split["overlap_draft"] == 0.0 and summary["specsplit-chain"]["overall"]["overlap_hit_rate"] is None
+    ovl = summary["specsplit-overlap-chain"]["overall"]
+    assert ovl["time_split_ms_per_round"]["overlap_draft"] > 0 and 0.0 <= ovl["overlap_hit_rate"] <= 1.0
     assert summary["hf-target"]["overall"]["time_split_ms_per_round"] is None
     assert summary["hf-target"]["overall"]["speedup_vs_hf_target"]["median"] == pytest.approx(1.0)
 

@@ -121,6 +121,24 @@ def test_local_and_grpc_identical(workers, engines, tree: str, sampling: str, ba
     assert out.spec_stats.recoveries == 0 and not out.spec_stats.draft_fallback
 
 
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("tree", ["chain4", "static16"])
+def test_overlapped_grpc_equals_sequential_local(workers, engines, tree: str, sampling: str) -> None:
+    """The overlapped pipeline over gRPC (speculative draft beside the remote verification)."""
+    ids, mask = prompts(1, seed=5)
+    ref = run(local_gen(engines, TREES[tree]), ids, mask, SAMPLING[sampling], seed=9, n=40)
+    target, drafter = workers
+    cfg = SpecSplitConfig(transport="grpc", tree=TREES[tree], target_address=target.address,
+                          draft_address=drafter.address, timeout_s=60.0, overlap=True)  # fmt: skip
+    with SpecSplitGenerator(config=cfg) as gen:
+        out = run(gen, ids, mask, SAMPLING[sampling], seed=9, n=40)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert [(r.accepted, r.drafted_depth) for r in out.spec_stats.rounds] == [
+        (r.accepted, r.drafted_depth) for r in ref.spec_stats.rounds
+    ]
+    assert out.spec_stats.spec_rounds > 0 and out.spec_stats.recoveries == 0
+
+
 def test_greedy_grpc_equals_target_generate(workers, model_dirs) -> None:
     target = load_saved(model_dirs[0])
     ids, mask = prompts(1, seed=3)

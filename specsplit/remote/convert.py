@@ -250,6 +250,7 @@ def draft_request_to_proto(r: DraftRequest) -> pb.DraftRequest:
         tree=tree_config_to_proto(r.tree),
         sampling=sampling_to_proto(r.sampling),
         capacity_hint=r.capacity_hint,
+        speculate=r.speculate,
         **kwargs,
     )
 
@@ -264,6 +265,7 @@ def draft_request_from_proto(m: pb.DraftRequest) -> DraftRequest:
         seed=m.seed if m.HasField("seed") else None,
         max_depth=m.max_depth if m.HasField("max_depth") else None,
         capacity_hint=m.capacity_hint,
+        speculate=m.speculate,
     )
 
 
@@ -273,6 +275,7 @@ def draft_result_to_proto(r: DraftResult, server_time_s: float = 0.0) -> pb.Draf
         prefix_length=r.prefix_length,
         cache_hit=r.cache_hit,
         telemetry=stats_to_proto(r.stats, server_time_s),
+        assumed_token_ids=r.assumed_token_ids,
     )
 
 
@@ -282,6 +285,7 @@ def draft_result_from_proto(m: pb.DraftResponse) -> DraftResult:
         prefix_length=m.prefix_length,
         stats=stats_from_proto(m.telemetry),
         cache_hit=m.cache_hit,
+        assumed_token_ids=list(m.assumed_token_ids),
     )
 
 

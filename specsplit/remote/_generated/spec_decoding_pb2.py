@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specsplit/v1/spec_decoding.proto\x12\x0cspecsplit.v1\"V\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\"\x19\n\x08TreePath\x12\r\n\x05ranks\x18\x01 \x03(\x05\"4\n\x0bStaticPaths\x12%\n\x05paths\x18\x01 \x03(\x0b\x32\x16.specsplit.v1.TreePath\"\xbd\x01\n\x08TreeSpec\x12&\n\x05shape\x18\x01 \x01(\x0e\x32\x17.specsplit.v1.TreeShape\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12/\n\x0cstatic_paths\x18\x03 \x01(\x0b\x32\x19.specsplit.v1.StaticPaths\x12\x0c\n\x04topk\x18\x04 \x01(\x05\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\x11\n\tmax_depth\x18\x07 \x01(\x05\"\xe4\x01\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x12\x12\x0e\n\x06\x64\x65pths\x18\x03 \x03(\x03\x12\x11\n\tlog_probs\x18\x04 \x03(\x02\x12\r\n\x05has_q\x18\x05 \x01(\x08\x12\x0f\n\x07q_width\x18\x06 \x01(\x05\x12\r\n\x05q_ids\x18\x07 \x03(\x03\x12\x0f\n\x07q_probs\x18\x08 \x03(\x02\x12\x17\n\nmax_branch\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0b\x64\x65pth_bound\x18\n \x01(\x05H\x01\x88\x01\x01\x42\r\n\x0b_max_branchB\x0e\n\x0c_depth_bound\"\x9e\x01\n\tTelemetry\x12\x13\n\x0bwall_time_s\x18\x01 \x01(\x01\x12\x14\n\x0cmodel_time_s\x18\x02 \x01(\x01\x12\x18\n\x10tokens_processed\x18\x03 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rserver_time_s\x18\x06 \x01(\x01\x12\x13\n\x0bverify_mode\x18\x07 \x01(\t\"\xff\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12\x15\n\rprefix_length\x18\x03 \x01(\x03\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specsplit.v1.TreeSpec\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\tmax_depth\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\rcapacity_hint\x18\x08 \x01(\x03\x42\x07\n\x05_seedB\x0c\n\n_max_depth\"\x8c\x01\n\rDraftResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x15\n\rprefix_length\x18\x02 \x01(\x03\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12*\n\ttelemetry\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.Telemetry\"\xe8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x19\n\x11pending_token_ids\x18\x03 \x03(\x03\x12\x1e\n\x16\x65xpected_prefix_length\x18\x04 \x01(\x03\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rcapacity_hint\x18\x07 \x01(\x03\x42\x07\n\x05_seed\"\xe0\x01\n\x0eVerifyResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\x03\x12\x15\n\rnext_token_id\x18\x02 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x03 \x03(\x03\x12\x15\n\rprefix_length\x18\x04 \x01(\x03\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x03\x12\x11\n\tnum_nodes\x18\x06 \x01(\x03\x12\x11\n\tcache_hit\x18\x07 \x01(\x08\x12*\n\ttelemetry\x18\x08 \x01(\x0b\x32\x17.specsplit.v1.Telemetry\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"Q\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12*\n\ttelemetry\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.Telemetry\".\n\x0bPingRequest\x12\x1f\n\x17\x63lient_protocol_version\x18\x01 \x01(\t\"\xe3\x01\n\x0cPingResponse\x12-\n\x0bworker_type\x18\x01 \x01(\x0e\x32\x18.specsplit.v1.WorkerType\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x18\n\x10protocol_version\x18\x06 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12*\n\ttelemetry\x18\x08 \x01(\x0b\x32\x17.specsplit.v1.Telemetry*X\n\nWorkerType\x12\x1b\n\x17WORKER_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_TYPE_DRAFT\x10\x01\x12\x16\n\x12WORKER_TYPE_TARGET\x10\x02*l\n\tTreeShape\x12\x1a\n\x16TREE_SHAPE_UNSPECIFIED\x10\x00\x12\x14\n\x10TREE_SHAPE_CHAIN\x10\x01\x12\x15\n\x11TREE_SHAPE_STATIC\x10\x02\x12\x16\n\x12TREE_SHAPE_DYNAMIC\x10\x03\x32\xe9\x01\n\x0c\x44raftService\x12I\n\x0eGenerateDrafts\x12\x1a.specsplit.v1.DraftRequest\x1a\x1b.specsplit.v1.DraftResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Ping\x12\x19.specsplit.v1.PingRequest\x1a\x1a.specsplit.v1.PingResponse2\xea\x01\n\rTargetService\x12I\n\x0cVerifyDrafts\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Ping\x12\x19.specsplit.v1.PingRequest\x1a\x1a.specsplit.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specsplit/v1/spec_decoding.proto\x12\x0cspecsplit.v1\"V\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\"\x19\n\x08TreePath\x12\r\n\x05ranks\x18\x01 \x03(\x05\"4\n\x0bStaticPaths\x12%\n\x05paths\x18\x01 \x03(\x0b\x32\x16.specsplit.v1.TreePath\"\xbd\x01\n\x08TreeSpec\x12&\n\x05shape\x18\x01 \x01(\x0e\x32\x17.specsplit.v1.TreeShape\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12/\n\x0cstatic_paths\x18\x03 \x01(\x0b\x32\x19.specsplit.v1.StaticPaths\x12\x0c\n\x04topk\x18\x04 \x01(\x05\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\x11\n\tmax_depth\x18\x07 \x01(\x05\"\xe4\x01\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x12\x12\x0e\n\x06\x64\x65pths\x18\x03 \x03(\x03\x12\x11\n\tlog_probs\x18\x04 \x03(\x02\x12\r\n\x05has_q\x18\x05 \x01(\x08\x12\x0f\n\x07q_width\x18\x06 \x01(\x05\x12\r\n\x05q_ids\x18\x07 \x03(\x03\x12\x0f\n\x07q_probs\x18\x08 \x03(\x02\x12\x17\n\nmax_branch\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0b\x64\x65pth_bound\x18\n \x01(\x05H\x01\x88\x01\x01\x42\r\n\x0b_max_branchB\x0e\n\x0c_depth_bound\"\x9e\x01\n\tTelemetry\x12\x13\n\x0bwall_time_s\x18\x01 \x01(\x01\x12\x14\n\x0cmodel_time_s\x18\x02 \x01(\x01\x12\x18\n\x10tokens_processed\x18\x03 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rserver_time_s\x18\x06 \x01(\x01\x12\x13\n\x0bverify_mode\x18\x07 \x01(\t\"\x92\x02\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x03\x12\x15\n\rprefix_length\x18\x03 \x01(\x03\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specsplit.v1.TreeSpec\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\tmax_depth\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x15\n\rcapacity_hint\x18\x08 \x01(\x03\x12\x11\n\tspeculate\x18\t \x01(\x08\x42\x07\n\x05_seedB\x0c\n\n_max_depth\"\xa7\x01\n\rDraftResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x15\n\rprefix_length\x18\x02 \x01(\x03\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12*\n\ttelemetry\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.Telemetry\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x03\"\xe8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x19\n\x11pending_token_ids\x18\x03 \x03(\x03\x12\x1e\n\x16\x65xpected_prefix_length\x18\x04 \x01(\x03\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rcapacity_hint\x18\x07 \x01(\x03\x42\x07\n\x05_seed\"\xe0\x01\n\x0eVerifyResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\x03\x12\x15\n\rnext_token_id\x18\x02 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x03 \x03(\x03\x12\x15\n\rprefix_length\x18\x04 \x01(\x03\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x03\x12\x11\n\tnum_nodes\x18\x06 \x01(\x03\x12\x11\n\tcache_hit\x18\x07 \x01(\x08\x12*\n\ttelemetry\x18\x08 \x01(\x0b\x32\x17.specsplit.v1.Telemetry\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"Q\n\x12\x45ndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12*\n\ttelemetry\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.Telemetry\".\n\x0bPingRequest\x12\x1f\n\x17\x63lient_protocol_version\x18\x01 \x01(\t\"\xe3\x01\n\x0cPingResponse\x12-\n\x0bworker_type\x18\x01 \x01(\x0e\x32\x18.specsplit.v1.WorkerType\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x18\n\x10protocol_version\x18\x06 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\x03\x12*\n\ttelemetry\x18\x08 \x01(\x0b\x32\x17.specsplit.v1.Telemetry*X\n\nWorkerType\x12\x1b\n\x17WORKER_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_TYPE_DRAFT\x10\x01\x12\x16\n\x12WORKER_TYPE_TARGET\x10\x02*l\n\tTreeShape\x12\x1a\n\x16TREE_SHAPE_UNSPECIFIED\x10\x00\x12\x14\n\x10TREE_SHAPE_CHAIN\x10\x01\x12\x15\n\x11TREE_SHAPE_STATIC\x10\x02\x12\x16\n\x12TREE_SHAPE_DYNAMIC\x10\x03\x32\xe9\x01\n\x0c\x44raftService\x12I\n\x0eGenerateDrafts\x12\x1a.specsplit.v1.DraftRequest\x1a\x1b.specsplit.v1.DraftResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Ping\x12\x19.specsplit.v1.PingRequest\x1a\x1a.specsplit.v1.PingResponse2\xea\x01\n\rTargetService\x12I\n\x0cVerifyDrafts\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Ping\x12\x19.specsplit.v1.PingRequest\x1a\x1a.specsplit.v1.PingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERTYPE']._serialized_start=2068
-  _globals['_WORKERTYPE']._serialized_end=2156
-  _globals['_TREESHAPE']._serialized_start=2158
-  _globals['_TREESHAPE']._serialized_end=2266
+  _globals['_WORKERTYPE']._serialized_start=2114
+  _globals['_WORKERTYPE']._serialized_end=2202
+  _globals['_TREESHAPE']._serialized_start=2204
+  _globals['_TREESHAPE']._serialized_end=2312
   _globals['_SAMPLINGPARAMS']._serialized_start=50
   _globals['_SAMPLINGPARAMS']._serialized_end=136
   _globals['_TREEPATH']._serialized_start=138
@@ -49,23 +49,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TELEMETRY']._serialized_start=643
   _globals['_TELEMETRY']._serialized_end=801
   _globals['_DRAFTREQUEST']._serialized_start=804
-  _globals['_DRAFTREQUEST']._serialized_end=1059
-  _globals['_DRAFTRESPONSE']._serialized_start=1062
-  _globals['_DRAFTRESPONSE']._serialized_end=1202
-  _globals['_VERIFYREQUEST']._serialized_start=1205
-  _globals['_VERIFYREQUEST']._serialized_end=1437
-  _globals['_VERIFYRESPONSE']._serialized_start=1440
-  _globals['_VERIFYRESPONSE']._serialized_end=1664
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1666
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1705
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=1707
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=1788
-  _globals['_PINGREQUEST']._serialized_start=1790
-  _globals['_PINGREQUEST']._serialized_end=1836
-  _globals['_PINGRESPONSE']._serialized_start=1839
-  _globals['_PINGRESPONSE']._serialized_end=2066
-  _globals['_DRAFTSERVICE']._serialized_start=2269
-  _globals['_DRAFTSERVICE']._serialized_end=2502
-  _globals['_TARGETSERVICE']._serialized_start=2505
-  _globals['_TARGETSERVICE']._serialized_end=2739
+  _globals['_DRAFTREQUEST']._serialized_end=1078
+  _globals['_DRAFTRESPONSE']._serialized_start=1081
+  _globals['_DRAFTRESPONSE']._serialized_end=1248
+  _globals['_VERIFYREQUEST']._serialized_start=1251
+  _globals['_VERIFYREQUEST']._serialized_end=1483
+  _globals['_VERIFYRESPONSE']._serialized_start=1486
+  _globals['_VERIFYRESPONSE']._serialized_end=1710
+  _globals['_ENDSESSIONREQUEST']._serialized_start=1712
+  _globals['_ENDSESSIONREQUEST']._serialized_end=1751
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=1753
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=1834
+  _globals['_PINGREQUEST']._serialized_start=1836
+  _globals['_PINGREQUEST']._serialized_end=1882
+  _globals['_PINGRESPONSE']._serialized_start=1885
+  _globals['_PINGRESPONSE']._serialized_end=2112
+  _globals['_DRAFTSERVICE']._serialized_start=2315
+  _globals['_DRAFTSERVICE']._serialized_end=2548
+  _globals['_TARGETSERVICE']._serialized_start=2551
+  _globals['_TARGETSERVICE']._serialized_end=2785
 # @@protoc_insertion_point(module_scope)

@@ -113,7 +113,7 @@ class Telemetry(_message.Message):
     def __init__(self, wall_time_s: _Optional[float] = ..., model_time_s: _Optional[float] = ..., tokens_processed: _Optional[int] = ..., forwards: _Optional[int] = ..., device: _Optional[str] = ..., server_time_s: _Optional[float] = ..., verify_mode: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "new_token_ids", "prefix_length", "tree", "sampling", "seed", "max_depth", "capacity_hint")
+    __slots__ = ("session_id", "new_token_ids", "prefix_length", "tree", "sampling", "seed", "max_depth", "capacity_hint", "speculate")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class DraftRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_HINT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_length: int
@@ -130,19 +131,22 @@ class DraftRequest(_message.Message):
     seed: int
     max_depth: int
     capacity_hint: int
-    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_depth: _Optional[int] = ..., capacity_hint: _Optional[int] = ...) -> None: ...
+    speculate: bool
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_depth: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., speculate: _Optional[bool] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "prefix_length", "cache_hit", "telemetry")
+    __slots__ = ("tree", "prefix_length", "cache_hit", "telemetry", "assumed_token_ids")
     TREE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     tree: TokenTree
     prefix_length: int
     cache_hit: bool
     telemetry: Telemetry
-    def __init__(self, tree: _Optional[_Union[TokenTree, _Mapping]] = ..., prefix_length: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tree: _Optional[_Union[TokenTree, _Mapping]] = ..., prefix_length: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree", "pending_token_ids", "expected_prefix_length", "sampling", "seed", "capacity_hint")
