@@ -114,6 +114,9 @@ class BenchOptions:
     notes: list[str] = field(default_factory=list)
     command: str = ""
     tie_analysis: bool | None = None  # None: when the dtype is not float32 and an output differs
+    baseline_repeats: int | None = None  # HF decoders time only this many repeats (None: all)
+    overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
+    sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -200,8 +203,12 @@ def _measure(
     max_new: int,
     devices: Sequence[str],
     tokens: dict[tuple[str, str], list[int]] | None = None,
+    baseline_repeats: int | None = None,
 ) -> list[RunRecord]:
-    """Warm every decoder up, then time repeat -> prompt -> decoder; mark matches with the baseline."""
+    """Warm every decoder up, then time repeat -> prompt -> decoder; mark matches with the baseline.
+
+    ``baseline_repeats``: Hugging Face decoders (``hf-*``) are timed in the first N repeats only
+    (they are the slow ones; speedups against a repeat they skipped use their median)."""
     warm = torch.tensor([prompts[0].input_ids[-16:]], dtype=torch.long)
     for dec in decoders:  # first calls pay for lazy init, allocator growth, kernel selection
         t0 = time.perf_counter()
@@ -213,6 +220,8 @@ def _measure(
         for p in prompts:
             ids = torch.tensor([p.input_ids], dtype=torch.long)
             for dec in decoders:
+                if baseline_repeats is not None and rep >= baseline_repeats and dec.name.startswith("hf-"):
+                    continue
                 out, dt = _timed(dec, ids, max_new, devices)
                 drafted, accepted, elig, acc = rounds_to_counts(out.rounds)
                 records.append(
@@ -269,14 +278,20 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         )
         prompts = load_prompts(opts.prompts_dir, per_cat)
         tokenize_prompts(prompts, models.tokenizer)
-    devices = [models.device, models.draft_device]
-    decoders, skipped = build_decoders(models, opts.decoders, opts.num_draft_tokens, opts.cuda_graphs)
+    if opts.overlap_draft_device:
+        models.use_overlap_device(opts.overlap_draft_device)
+    devices = [models.device, models.draft_device] + (
+        [models.overlap_draft_device] if models.overlap_draft_device else []
+    )
+    decoders, skipped = build_decoders(
+        models, opts.decoders, opts.num_draft_tokens, opts.cuda_graphs, opts.sync_timing
+    )
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
     )
     new_tokens: dict[tuple[str, str], list[int]] = {}
     try:
-        records = _measure(decoders, prompts, repeats, max_new, devices, new_tokens)
+        records = _measure(decoders, prompts, repeats, max_new, devices, new_tokens, opts.baseline_repeats)
     finally:
         for dec in decoders:
             dec.close()
@@ -306,6 +321,9 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "draft_device": models.draft_device,
             "max_new_tokens": max_new,
             "repeats": repeats,
+            "baseline_repeats": min(repeats, opts.baseline_repeats or repeats),
+            "overlap_draft_device": models.overlap_draft_device,
+            "sync_timing": opts.sync_timing,
             "num_draft_tokens": opts.num_draft_tokens,
             "cuda_graphs": opts.cuda_graphs,
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
@@ -378,6 +396,23 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the suite's token count")
     p.add_argument("--repeats", type=int, default=None, help="override the suite's timed repeats")
+    p.add_argument(
+        "--baseline-repeats",
+        type=int,
+        default=None,
+        help="time the Hugging Face decoders (hf-*) in the first N repeats only (they are the slow ones)",
+    )
+    p.add_argument(
+        "--sync-timing",
+        action="store_true",
+        help="synchronise the GPU after each draft so the draft/verify split is exact (slower); "
+        "without it the split is host-side wall time and the GPU work of a phase may spill into the next",
+    )
+    p.add_argument(
+        "--overlap-draft-device",
+        default=None,
+        help="a copy of the draft on this device for the overlapped decoders (e.g. cuda:1; default: --draft-device)",
+    )
     p.add_argument("--prompts-per-category", type=int, default=None, help="override the suite's prompt count")
     p.add_argument(
         "--decoders", default=",".join(DECODERS), help=f"comma-separated subset of {','.join(DECODERS)}"
@@ -430,6 +465,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     parts = ["specsplit", "bench", "--suite", args.suite, "--device", device]
     for opt in (
         "draft_device",
+        "overlap_draft_device",
+        "baseline_repeats",
         "target",
         "draft",
         "max_new_tokens",
@@ -445,6 +482,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
         parts.append("--cuda-graphs")
+    if args.sync_timing:
+        parts.append("--sync-timing")
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]
@@ -479,6 +518,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         notes=list(args.note),
         command=_command_line(args, device),
         tie_analysis=args.tie_analysis,
+        baseline_repeats=args.baseline_repeats,
+        overlap_draft_device=args.overlap_draft_device,
+        sync_timing=args.sync_timing,
     )
     counts = (
         opts.num_draft_tokens,
@@ -486,6 +528,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         opts.repeats,
         opts.prompts_per_category,
         opts.threads,
+        opts.baseline_repeats,
     )
     if any(x is not None and x < 1 for x in counts):
         print(

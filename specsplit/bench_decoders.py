@@ -63,6 +63,15 @@ class BenchModels:
     draft_device: str
     eos_token_ids: list[int]
     pad_token_id: int
+    overlap_draft: Any = None  # a copy of the draft on another device for the overlapped decoders
+    overlap_draft_device: str | None = None
+
+    def use_overlap_device(self, device: str) -> None:
+        """Give the overlapped decoders their own draft copy on ``device`` (e.g. a second GPU)."""
+        if self.draft is None or device == self.draft_device:
+            return
+        self.overlap_draft = copy.deepcopy(self.draft).to(device)
+        self.overlap_draft_device = device
 
     def generation_config(self, max_new_tokens: int) -> Any:
         """The one greedy ``GenerationConfig`` every decoder runs with (EOS kept, explicit pad)."""
@@ -325,7 +334,7 @@ def _grpc_decoder(m: BenchModels, tree: Any, sync: bool, graphs: bool) -> Decode
 
 
 def build_decoders(
-    m: BenchModels, names: Sequence[str], k: int, cuda_graphs: bool = False
+    m: BenchModels, names: Sequence[str], k: int, cuda_graphs: bool = False, sync_timing: bool = False
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -335,11 +344,16 @@ def build_decoders(
         k: draft tokens per round for ``hf-assisted`` and the SpecSplit chain.
         cuda_graphs: SpecSplit engines replay their fixed-shape steps from CUDA graphs
             (``DraftConfig/TargetConfig.cuda_graphs``; eager on CPU).
+        sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
+            draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
+            because the host then cannot queue the verification while the draft still runs.
     """
     from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig, TreeConfig
     from specsplit.generator import SpecSplitGenerator
 
-    sync = torch.device(m.device).type == "cuda" or torch.device(m.draft_device).type == "cuda"
+    sync = sync_timing and any(
+        torch.device(d).type == "cuda" for d in (m.device, m.draft_device, m.overlap_draft_device or "cpu")
+    )
     trees = {
         "specsplit-chain": TreeConfig(shape="chain", num_draft_tokens=k),
         "specsplit-static": TreeConfig(shape="static"),
@@ -359,7 +373,7 @@ def build_decoders(
         "specsplit-dynamic": "SpecSplit local, dynamic tree (top-{0.topk}, width {0.width}, budget {0.budget}, "
         "depth {0.max_depth})".format(trees["specsplit-dynamic"]),
     }
-    where = f"draft on {m.draft_device}, target on {m.device}"
+    where = f"draft on {m.overlap_draft_device or m.draft_device}, target on {m.device}"
     labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"
     labels["specsplit-overlap-dynamic"] = f"{labels['specsplit-dynamic']}, overlapped pipeline ({where})"
     if cuda_graphs:
@@ -390,6 +404,8 @@ def build_decoders(
                     decoders.append(dec)
             else:
                 draft = None if name == "specsplit-target-only" else m.draft
+                if name.startswith("specsplit-overlap") and m.overlap_draft is not None:
+                    draft = m.overlap_draft
                 cfg = SpecSplitConfig(
                     tree=copy.deepcopy(trees.get(name, trees["specsplit-chain"])),
                     sync_timing=sync,

@@ -105,7 +105,11 @@ def _tps_by_repeat(recs: Sequence[RunRecord]) -> dict[int, float]:
 
 
 def _speedup(mine: dict[int, float], base: dict[int, float]) -> dict[str, float] | None:
-    ratios = [mine[r] / base[r] for r in mine if r in base and base[r] > 0]
+    """Paired per repeat; a repeat the baseline skipped (``--baseline-repeats``) uses its median."""
+    if not base:
+        return None
+    fallback = statistics.median(base.values())
+    ratios = [mine[r] / base.get(r, fallback) for r in mine if base.get(r, fallback) > 0]
     return _spread(ratios)
 
 
@@ -289,7 +293,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "Tokens/s is the median over repeats [min–max]; speedups are paired per repeat. Exact match: share "
         "of prompts whose new tokens equal `hf-target`'s. Time split: mean milliseconds per round "
-        "(draft / verify / transport / host).",
+        "(draft / verify / transport / host)"
+        + (
+            ", host wall time without device syncs: a phase's GPU work may be counted in the next one."
+            if cfg.get("sync_timing") is False
+            else "."
+        ),
         "",
         "## Overall",
         "",

@@ -105,7 +105,8 @@ class StaticForward:
         graph = torch.cuda.CUDAGraph()
         # An explicit capture stream on this device: torch's default capture stream is created
         # once, on whatever device was current then (the draft's GPU, say).
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+        # thread_local: the overlapped pipeline runs the other engine in another thread meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             b.logits = self._forward(b)
         b.graph = graph
         self.captures += 1

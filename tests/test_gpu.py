@@ -132,3 +132,40 @@ def _arm_sync_check_after_first_round():
         torch.cuda.set_sync_debug_mode("error")
 
     return on_tokens
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_overlap_two_devices_equals_sequential(llama_target, shape, graphs):
+    """Overlapped pipeline with the draft and target on different GPUs (threads, two devices,
+    CUDA graphs captured while the other engine runs): same tokens as sequential mode."""
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_target)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.001 * torch.randn(p.shape, generator=g))
+    draft = draft.to(ddev)
+    ids = torch.tensor([PROMPTS[0]])
+    ref = target.generate(ids.to(tdev), max_new_tokens=48, do_sample=False).cpu()
+    outs = {}
+    for overlap in (False, True):
+        for sample in (False, True):
+            cfg = SpecSplitConfig(
+                tree=TreeConfig(shape=shape), overlap=overlap,
+                draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=graphs),
+                target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=graphs),
+            )  # fmt: skip
+            kw = {"do_sample": True, "temperature": 0.8, "top_k": 20} if sample else {}
+            with SpecSplitGenerator(target, draft, config=cfg) as gen:
+                outs[overlap, sample] = gen.generate(
+                    ids, max_new_tokens=48, return_dict_in_generate=True,
+                    generator=torch.Generator().manual_seed(5), **kw,
+                )  # fmt: skip
+    assert torch.equal(outs[False, False].sequences, ref)
+    assert torch.equal(outs[True, False].sequences, ref)
+    assert torch.equal(outs[True, True].sequences, outs[False, True].sequences)
+    assert outs[True, False].spec_stats.spec_hits > 0
