@@ -353,14 +353,17 @@ def step_timing(
 
 def pv_config(budget: int, args: argparse.Namespace, refresh: int | None = None) -> SpecPVConfig:
     """SpecPV settings whose view (sink + retrieval + window + buffer) totals about ``budget`` tokens."""
-    base = SpecPVConfig()
+    base = SpecPVConfig(n_window_blocks=args.window_blocks)
     fixed = base.budget - base.n_retrieval_blocks * base.block_size
     n_ret = max(0, (budget - fixed) // base.block_size)
     return SpecPVConfig(
         enabled=True,
         n_retrieval_blocks=n_ret,
+        n_window_blocks=args.window_blocks,
         partial_threshold=args.threshold,
         full_refresh_interval=refresh or args.refresh,
+        retrieval_reduce=args.reduce,
+        retrieval_refresh_interval=args.retrieval_refresh,
     )
 
 
@@ -394,7 +397,9 @@ def write_markdown(
         f"Target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']} on {meta['device_name']}, "
         f"tree `{meta['tree']}`, greedy, {meta['new_tokens']} generated tokens per run, prompt kind "
         f"`{meta['prompt_kind']}` ({meta['task']}). SpecPV: threshold {meta['threshold']}, refresh every "
-        f"{meta['refresh']} partial steps, main budget {meta['budget']} tokens. Torch threads: "
+        f"{meta['refresh']} partial steps, retrieval re-selected every {meta.get('retrieval_refresh') or '-'} "
+        f"partial steps, reduce `{meta.get('reduce', 'mean')}`, window {meta.get('window_blocks', 8)} blocks, "
+        f"main budget {meta['budget']} tokens. Torch threads: "
         f"{meta['threads']}.",
         "",
         f"Command: `{meta['command']}`",
@@ -497,6 +502,14 @@ def main() -> int:
     )
     ap.add_argument("--threshold", type=int, default=2048, help="SpecPV partial_threshold")
     ap.add_argument("--refresh", type=int, default=32, help="SpecPV full_refresh_interval")
+    ap.add_argument(
+        "--retrieval-refresh",
+        type=int,
+        default=0,
+        help="SpecPV retrieval_refresh_interval: re-select the retrieved blocks every N partial steps (0: off)",
+    )
+    ap.add_argument("--reduce", default="mean", choices=["mean", "max"], help="SpecPV retrieval_reduce")
+    ap.add_argument("--window-blocks", type=int, default=8, help="SpecPV n_window_blocks")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="disable the cuDNN SDPA backend (CUDA)")
     ap.add_argument("--step-reps", type=int, default=5, help="paired verify-step repetitions (0: skip)")
@@ -561,6 +574,9 @@ def main() -> int:
         "task": task,
         "threshold": args.threshold,
         "refresh": args.refresh,
+        "retrieval_refresh": args.retrieval_refresh,
+        "reduce": args.reduce,
+        "window_blocks": args.window_blocks,
         "budget": args.budget,
         "prefill_s": prefill_s,
         "torch": torch.__version__,

@@ -32,7 +32,9 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     ddev = a.draft_device or a.device
     target = load_model(a.target, dtype=dtype, device=a.device)
-    if a.draft.startswith("self:"):
+    if a.draft == "same":
+        draft = load_model(a.target, dtype=dtype, device=ddev)
+    elif a.draft.startswith("self:"):
         draft = truncated_draft(load_model(a.target, dtype=dtype, device=ddev), int(a.draft[5:]))
     else:
         draft = load_model(a.draft, dtype=dtype, device=ddev)
@@ -76,7 +78,33 @@ def main() -> None:
         gen.generate(ids, max_new_tokens=32, eos_token_id=[])
         sync()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(json.dumps({"gpu_busy": gpu_busy(prof)}))
     gen.close()
+
+
+def gpu_busy(prof: torch.profiler.profile) -> dict[str, float]:
+    """Union of GPU kernel/memcpy intervals over the profiled window: how much of it the GPU worked."""
+    spans, cpu = [], []
+    for e in prof.events():
+        tr = e.time_range
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((tr.start, tr.end))
+        else:
+            cpu.append((tr.start, tr.end))
+    if not spans or not cpu:
+        return {}
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    window = max(e for _, e in cpu + spans) - min(s for s, _ in cpu + spans)
+    return {"window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3, "busy_fraction": busy / window,
+            "gpu_events": float(len(spans))}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -62,6 +62,10 @@ class SpecPVConfig:
         full_refresh_interval: partial steps between two full verifications.
         retrieval_reduce: ``"mean"`` or ``"max"``, how block scores are reduced over the tree's
             queries and over the query heads of a GQA group.
+        retrieval_refresh_interval: re-choose the retrieved blocks every this many partial steps
+            from the block summaries, scored with the post-RoPE queries of the step's committed
+            tokens (pending + accepted path); no full forward, the window and buffer stay. ``0``
+            (default): the retrieval changes only at full verifications.
     """
 
     enabled: bool = False
@@ -73,6 +77,7 @@ class SpecPVConfig:
     partial_threshold: int = 4096
     full_refresh_interval: int = 32
     retrieval_reduce: Literal["mean", "max"] = "mean"
+    retrieval_refresh_interval: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -83,6 +88,7 @@ class SpecPVConfig:
             ("n_spec_tokens_buf", 2),
             ("partial_threshold", 1),
             ("full_refresh_interval", 1),
+            ("retrieval_refresh_interval", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -380,6 +386,10 @@ class PartialSession:
         self.layout: ViewLayout | None = None
         self.backlog: list[int] = []
         self.steps_since_refresh = 0
+        # per layer: `[B, kv_heads, k]` retrieved block ids of the current view (empty list when
+        # every candidate fits or there are none)
+        self.selected: list[torch.Tensor] = []
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # reselect's stacked summaries
 
     @property
     def ready(self) -> bool:
@@ -434,6 +444,8 @@ class PartialSession:
             if self.summaries.n_blocks < cfg.n_sink_blocks + n_cand:
                 raise RuntimeError("block summaries do not cover the retrieval candidates")
         view = self._view_for(cache)
+        self.selected = []
+        self._stacked = None
         for i, (layer, vlayer) in enumerate(zip(_layers(cache), _layers(view), strict=True)):
             keys, values = layer.keys, layer.values  # [B, kvH, capacity, D]
             vk, vv = vlayer.keys, vlayer.values  # [B, kvH, budget, D]
@@ -451,7 +463,9 @@ class PartialSession:
                     self.summaries.kmin[i][:, :, first:last],
                     cfg.retrieval_reduce,
                 )  # [B, kvH, C]
-                idx = block_token_index(select_blocks(scores, k, first), bs)  # [B, kvH, k * bs]
+                blocks = select_blocks(scores, k, first)  # [B, kvH, k]
+                self.selected.append(blocks)
+                idx = block_token_index(blocks, bs)  # [B, kvH, k * bs]
                 vk[:, :, lo:hi] = gather_tokens(keys, idx)
                 vv[:, :, lo:hi] = gather_tokens(values, idx)
             elif k:  # every candidate fits: copy them all, in order
@@ -464,6 +478,69 @@ class PartialSession:
         self.backlog = []
         self.layout = layout
         return layout
+
+    def reselect(self, cache: StaticKVCache, queries: dict[int, torch.Tensor]) -> bool:
+        """Re-choose the retrieved blocks with new queries; sink, window and buffer stay.
+
+        Between full verifications the full cache does not move, so the summaries still cover the
+        candidates of the current layout and the retrieved slots can be re-gathered from it.
+
+        Args:
+            cache: the full cache the view was built from.
+            queries: ``layer -> [B, H, nq, D]`` post-RoPE queries (e.g. the last partial step's).
+
+        Returns:
+            False when the view has no selection to refresh (every candidate fits, or no view).
+
+        Raises:
+            RuntimeError: missing queries or a view out of step with the cache.
+        """
+        lay, view, cfg = self.layout, self.view, self.cfg
+        if lay is None or view is None or not self.selected:
+            return False
+        if cache.seq_len != lay.full_len:
+            raise RuntimeError(
+                f"full cache holds {cache.seq_len} tokens, the view was built at {lay.full_len}"
+            )
+        bs, k = cfg.block_size, lay.retrieved_blocks
+        first, last = cfg.n_sink_blocks, lay.window_start // bs
+        lo, hi = lay.sink, lay.sink + k * bs
+        layers, vlayers = _layers(cache), _layers(view)
+        missing = [i for i in range(len(layers)) if i not in queries]
+        if missing:
+            raise RuntimeError(f"no recorded queries for layer {missing[0]}")
+        qs = [queries[i] for i in range(len(layers))]
+        if self._stacked is None and len({(q.device, q.shape) for q in qs}) == 1:
+            # one scoring for all layers (a few kernels instead of a few per layer): stack the
+            # candidates' summaries once per view
+            self._stacked = (
+                torch.stack([t[:, :, first:last] for t in self.summaries.kmax[: len(layers)]]),
+                torch.stack([t[:, :, first:last] for t in self.summaries.kmin[: len(layers)]]),
+            )  # [L, B, kvH, C, D]
+        if self._stacked is not None:
+            kmax, kmin = self._stacked
+            n, b = kmax.shape[0], kmax.shape[1]
+            q = torch.stack(qs).to(kmax.device).flatten(0, 1)  # [L * B, H, nq, D]
+            scores = score_blocks(q, kmax.flatten(0, 1), kmin.flatten(0, 1), cfg.retrieval_reduce)
+            all_blocks = select_blocks(scores, k, first).unflatten(0, (n, b))  # [L, B, kvH, k]
+            per_layer = list(all_blocks.unbind(0))
+        else:  # layers on several devices (device map): score layer by layer
+            per_layer = []
+            for i, layer in enumerate(layers):
+                scores = score_blocks(
+                    qs[i].to(layer.keys.device),
+                    self.summaries.kmax[i][:, :, first:last],
+                    self.summaries.kmin[i][:, :, first:last],
+                    cfg.retrieval_reduce,
+                )
+                per_layer.append(select_blocks(scores, k, first))
+        for i, (layer, vlayer, blocks) in enumerate(zip(layers, vlayers, per_layer, strict=True)):
+            blocks = blocks.to(layer.keys.device)
+            idx = block_token_index(blocks, bs)
+            vlayer.keys[:, :, lo:hi] = gather_tokens(layer.keys, idx)
+            vlayer.values[:, :, lo:hi] = gather_tokens(layer.values, idx)
+            self.selected[i] = blocks
+        return True
 
     def _view_for(self, cache: StaticKVCache) -> StaticKVCache:
         if self.view is None:

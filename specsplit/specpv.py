@@ -67,6 +67,8 @@ class SpecPVStats:
     full_verify_s: float = 0.0
     partial_verify_s: float = 0.0
     refresh_s: float = 0.0
+    reselections: int = 0  # retrieval re-selections between full verifications
+    reselect_s: float = 0.0  # host time of those re-selections
     full_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -202,12 +204,17 @@ class PartialVerifier:
         ids = self._ids(pending, tree)  # [P + N]
         mask, pos = build_verify_attention(tree.parents, plen, p, self.runner.dtype)
         pos = pos + (logical - plen)  # true absolute positions: the view is shorter than the context
+        every = self.config.retrieval_refresh_interval
+        recorder = None
+        if every and pvs.selected and (pvs.steps_since_refresh + 1) % every == 0:
+            recorder = QueryRecorder(rows=p + n)  # pending + tree; commit keeps the accepted rows
+        extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
         try:
-            logits = self.runner.forward(ids[None], pos, mask, view, logits_to_keep=n + 1)
+            logits = self.runner.forward(ids[None], pos, mask, view, logits_to_keep=n + 1, **extra)
         except Exception:
             view.rollback(plen)
             raise
-        return PVStep(True, "partial", list(pending), plen + p, logits, None, t0, p)
+        return PVStep(True, "partial", list(pending), plen + p, logits, recorder, t0, p)
 
     def _full(
         self, cache: StaticKVCache, pvs: PartialSession, pending: list[int], tree: TokenTree, reason: str
@@ -274,6 +281,8 @@ class PartialVerifier:
             with self._lock:
                 self.stats.partial_steps += 1
                 self.stats.partial_verify_s += dt
+            if step.recorder is not None:
+                self._reselect(state.cache, pvs, step, nodes)
             return state.cache.seq_len + len(pvs.backlog)
         cache: StaticKVCache = state.cache
         _keep_path(cache, nodes, step.base)
@@ -300,6 +309,30 @@ class PartialVerifier:
         with self._lock:
             self.stats.refresh_s += time.perf_counter() - t
         return cache.seq_len
+
+    def _reselect(self, cache: StaticKVCache, pvs: PartialSession, step: PVStep, nodes: list[int]) -> None:
+        """Re-choose the retrieved blocks with the queries of the committed rows (pending + path)."""
+        assert step.recorder is not None
+        t = time.perf_counter()
+        p, m = step.num_pending, len(nodes)
+        if nodes == list(range(m)):
+            queries = {i: q[:, :, : p + m] for i, q in step.recorder.queries.items()}
+        else:
+            rows = torch.tensor(list(range(p)) + [p + j for j in nodes], dtype=torch.long)
+            on_dev: dict[torch.device, torch.Tensor] = {}
+            queries = {}
+            for i, q in step.recorder.queries.items():
+                if q.device not in on_dev:
+                    on_dev[q.device] = h2d(rows, q.device)
+                queries[i] = q.index_select(2, on_dev[q.device])
+        try:
+            done = pvs.reselect(cache, queries)
+        except Exception as e:  # noqa: BLE001 - the round is verified; the next one runs in full
+            self._fail(pvs, e)
+            return
+        with self._lock:
+            self.stats.reselections += int(done)
+            self.stats.reselect_s += time.perf_counter() - t
 
 
 def _keep_path(cache: StaticKVCache, nodes: list[int], base: int) -> None:

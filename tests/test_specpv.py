@@ -141,6 +141,7 @@ def _run(target, draft, prompt, pv: SpecPVConfig | None, tree=STATIC, hook=None,
         (dict(n_retrieval_blocks=-1), "n_retrieval_blocks"),
         (dict(full_refresh_interval=0), "full_refresh_interval"),
         (dict(retrieval_reduce="median"), "retrieval_reduce"),
+        (dict(retrieval_refresh_interval=-1), "retrieval_refresh_interval"),
         (dict(partial_threshold=2.5), "partial_threshold"),
     ],
 )
@@ -225,6 +226,55 @@ def test_layout_without_candidates_is_the_whole_context():
     assert layout.view_len == 40
     layout, n_cand = plan_layout(_pv(n_retrieval_blocks=3), 45)  # the window starts at a block boundary
     assert n_cand == 2 and layout.window_start == 24 and layout.view_len == 45
+
+
+def test_reselect_regathers_only_the_retrieved_blocks():
+    """Retrieval refresh between full verifications: new queries -> new blocks; the rest stays."""
+    g = torch.Generator().manual_seed(1)
+    bs, d, blocks = 4, 8, 32
+    keys = 0.1 * torch.randn(1, 2, blocks * bs, d, generator=g)
+    da, db = torch.linalg.qr(torch.randn(d, 2, generator=g)).Q.T  # two orthonormal directions
+    for planted, direction in (((5, 11), da), ((14, 23), db)):
+        for b in planted:
+            keys[0, :, b * bs : (b + 1) * bs] = 3.0 * direction + 0.05 * torch.randn(bs, d, generator=g)
+    cache = StaticKVCache(1, blocks * bs + 16)
+    cache.append(0, keys, -keys)
+
+    def queries(direction):  # [1, 4 heads (2 per KV head), 3 queries, d]
+        return direction[None, None, None, :] + 0.1 * torch.randn(1, 4, 3, d, generator=g)
+
+    cfg = SpecPVConfig(
+        enabled=True,
+        block_size=bs,
+        n_sink_blocks=2,
+        n_retrieval_blocks=2,
+        n_window_blocks=3,
+        retrieval_refresh_interval=1,
+    )
+    pvs = PartialSession(cfg)
+    layout = pvs.rebuild(cache, {0: queries(da)})
+    assert pvs.selected[0].tolist() == [[[5, 11], [5, 11]]]
+    view = pvs.view.layers[0]
+    # two buffered tokens (accepted under partial verification) must survive the re-selection
+    view.keys[:, :, layout.view_len : layout.view_len + 2] = 7.0
+    pvs.backlog = [1, 2]
+    pvs.view.set_length(layout.view_len + 2)
+    before_k, before_v = view.keys.clone(), view.values.clone()
+    assert pvs.reselect(cache, {0: queries(db)})
+    assert pvs.selected[0].tolist() == [[[14, 23], [14, 23]]]
+    lo, hi = layout.sink, layout.sink + 2 * bs
+    want = torch.cat([keys[:, :, 14 * bs : 15 * bs], keys[:, :, 23 * bs : 24 * bs]], dim=2)
+    assert torch.equal(view.keys[:, :, lo:hi], want) and torch.equal(view.values[:, :, lo:hi], -want)
+    assert torch.equal(view.keys[:, :, :lo], before_k[:, :, :lo])  # sink
+    assert torch.equal(view.keys[:, :, hi:], before_k[:, :, hi:])  # window + buffer
+    assert torch.equal(view.values[:, :, hi:], before_v[:, :, hi:])
+    assert pvs.view.seq_len == layout.view_len + 2 and pvs.backlog == [1, 2]
+    with pytest.raises(RuntimeError, match="no recorded queries"):
+        pvs.reselect(cache, {})
+    # nothing to re-select when every candidate fits
+    pvs2 = PartialSession(SpecPVConfig(enabled=True, block_size=bs, n_sink_blocks=2, n_retrieval_blocks=64))
+    pvs2.rebuild(cache, None)
+    assert pvs2.selected == [] and not pvs2.reselect(cache, {0: queries(db)})
 
 
 # ---------------------------------------------------------------------- engine behaviour
@@ -371,6 +421,60 @@ def test_refresh_interval_and_buffer_accounting(llama_pair, prompt):
     assert max(b for _, _, b in checks) == 15
 
 
+def _check_view(state) -> None:
+    """The partial view is sink + retrieved blocks + window of the full cache, then the buffer whose
+    layer-0 keys (embedding + RoPE only) are the exact keys of the backlog at its true positions."""
+    pvs, cache = state.pv, state.cache
+    lay, bs = pvs.layout, pvs.cfg.block_size
+    k = lay.retrieved_blocks
+    lo, hi = lay.sink, lay.sink + k * bs
+    assert cache.seq_len == lay.full_len and pvs.view.seq_len == lay.view_len + len(pvs.backlog)
+    for i, (fl, vl) in enumerate(zip(cache.layers, pvs.view.layers, strict=True)):
+        for full, view in ((fl.keys, vl.keys), (fl.values, vl.values)):
+            assert torch.equal(view[:, :, :lo], full[:, :, :lo])
+            if pvs.selected:
+                blocks = pvs.selected[i]
+                assert (blocks[..., 1:] > blocks[..., :-1]).all()  # position order, no duplicates
+                assert blocks.min() >= pvs.cfg.n_sink_blocks and blocks.max() < lay.window_start // bs
+                idx = (blocks[..., None] * bs + torch.arange(bs)).flatten(-2)
+                want = full.gather(2, idx[..., None].expand(-1, -1, -1, full.shape[-1]))
+            else:
+                want = full[:, :, lo:hi]
+            assert torch.equal(view[:, :, lo:hi], want)
+            assert torch.equal(view[:, :, hi : lay.view_len], full[:, :, lay.window_start : lay.full_len])
+
+
+@pytest.mark.parametrize("tree, every", [(CHAIN, 1), (STATIC, 1), (STATIC, 2), (STATIC, 0)])
+def test_retrieval_refresh_between_full_verifications(llama_pair, prompt, tree, every):
+    target, draft = llama_pair
+    seen = []
+
+    def hook(tr, sid, res):
+        state, _ = tr.target_engine.get_or_create_session(sid)
+        if state.pv is not None and state.pv.ready:
+            _check_view(state)
+            seen.append((res.stats.verify_mode, [b.clone() for b in state.pv.selected]))
+
+    pv = _pv(n_retrieval_blocks=4, full_refresh_interval=4, retrieval_refresh_interval=every)
+    out, stats, te, _ = _run(target, draft, prompt, pv, tree=tree, hook=hook, new=40)
+    s = te.specpv_stats
+    assert s.partial_steps > 4 and s.fallbacks == 0 and len(out) == 40
+    # partial step j (1-based since the last full one) re-selects when j % every == 0
+    want = 0
+    since = 0
+    for mode, _ in seen:
+        since = since + 1 if mode == "partial" else 0
+        want += bool(every) and mode == "partial" and since % every == 0
+    assert s.reselections == want
+    if every:  # the selection does move between full verifications
+        moved = [
+            any(not torch.equal(a, b) for a, b in zip(prev[1], cur[1], strict=True))
+            for prev, cur in zip(seen, seen[1:], strict=False)
+            if cur[0] == "partial"
+        ]
+        assert any(moved)
+
+
 def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):
     target, draft = llama_pair
     ref, _, _, _ = _run(target, draft, prompt, None, new=40)
@@ -446,7 +550,8 @@ def test_same_behaviour_through_grpc(llama_pair, prompt):
 # ---------------------------------------------------------------------- GPU
 @pytest.mark.large
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_hidden_host_syncs_in_specpv_rounds(prompt, monkeypatch):
+@pytest.mark.parametrize("every", [0, 1])
+def test_no_hidden_host_syncs_in_specpv_rounds(prompt, monkeypatch, every):
     """After the prefill round, partial steps AND refreshing full steps read the device only once."""
     from specsplit import verification
 
@@ -464,7 +569,11 @@ def test_no_hidden_host_syncs_in_specpv_rounds(prompt, monkeypatch):
 
     monkeypatch.setattr(verification.VerifyOutcome, "to_host", allowed_read)
     te = TargetEngine(
-        target, TargetConfig(device="cuda:0", specpv=_pv(n_retrieval_blocks=4, full_refresh_interval=3))
+        target,
+        TargetConfig(
+            device="cuda:0",
+            specpv=_pv(n_retrieval_blocks=4, full_refresh_interval=3, retrieval_refresh_interval=every),
+        ),
     )
     tr = LocalTransport(DraftEngine(draft, DraftConfig(device="cuda:0")), te)
     torch.cuda.synchronize()
@@ -481,3 +590,4 @@ def test_no_hidden_host_syncs_in_specpv_rounds(prompt, monkeypatch):
     assert reads["n"] == len(stats.rounds) and len(out) == 40
     s = te.specpv_stats
     assert s.partial_steps > 0 and s.full_reasons.get("interval", 0) > 0 and s.fallbacks == 0
+    assert s.reselections == (s.partial_steps if every else 0)
