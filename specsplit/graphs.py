@@ -6,8 +6,10 @@ of the accepted tokens) can be captured once in a CUDA graph and replayed for ev
 session. What makes the shapes static:
 
 - the KV cache is written at positions given by a device tensor (``index_copy_``) and attention
-  reads the whole preallocated buffer, with the additive mask blocking every slot that is not
-  context or an ancestor;
+  reads a fixed bucket of the buffer (the smallest power of two >= the valid length, at least
+  :data:`MIN_BUCKET` slots) with the additive mask blocking every slot that is not context or an
+  ancestor, so attention work follows the context length rather than the workspace size; one
+  graph per (tokens, bucket);
 - inputs, positions, mask and write positions live in static buffers that are refilled in place.
 
 On CPU (or with capture disabled) the same static path runs eagerly; tests compare it with the
@@ -26,6 +28,16 @@ from specsplit.engine_common import ModelRunner, h2d
 from specsplit.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
+
+MIN_BUCKET = 256  # smallest key length a static forward attends over
+
+
+def kv_bucket(end: int, capacity: int) -> int:
+    """Key slots a static forward ending at slot ``end`` attends over (a power of two, capped)."""
+    b = MIN_BUCKET
+    while b < end:
+        b *= 2
+    return min(b, capacity)
 
 
 @dataclass
@@ -59,7 +71,7 @@ class StaticForward:
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.cache.allocate(1, kv_heads, head_dim, runner.dtype, self.device)
-        self._bufs: dict[int, _Buffers] = {}
+        self._bufs: dict[tuple[int, int], _Buffers] = {}
         self._arange = torch.arange(capacity, device=self.device)
         self._pool = None
         if self.use_graphs:
@@ -68,21 +80,21 @@ class StaticForward:
         self._neg = torch.finfo(runner.dtype).min
         self.captures = 0
 
-    def _buffers(self, q: int) -> _Buffers:
-        b = self._bufs.get(q)
+    def _buffers(self, q: int, kv: int) -> _Buffers:
+        b = self._bufs.get((q, kv))
         if b is None:
             dev = self.device
             b = _Buffers(
                 ids=torch.zeros(1, q, dtype=torch.long, device=dev),
                 pos=torch.zeros(1, q, dtype=torch.long, device=dev),
-                mask=torch.zeros(1, 1, q, self.capacity, dtype=self.runner.dtype, device=dev),
+                mask=torch.zeros(1, 1, q, kv, dtype=self.runner.dtype, device=dev),
                 wpos=torch.arange(self.capacity - q, self.capacity, device=dev),
             )
-            self._bufs[q] = b
+            self._bufs[q, kv] = b
         return b
 
     def _forward(self, b: _Buffers) -> torch.Tensor:
-        self.cache.set_write_positions(b.wpos)
+        self.cache.set_write_positions(b.wpos, b.mask.shape[-1])
         try:
             return self.runner.forward(b.ids, b.pos, b.mask, self.cache, logits_to_keep=b.ids.shape[1])
         finally:
@@ -110,7 +122,9 @@ class StaticForward:
             b.logits = self._forward(b)
         b.graph = graph
         self.captures += 1
-        logger.info("captured a CUDA graph for %d-token forwards", b.ids.shape[1])
+        logger.info(
+            "captured a CUDA graph for %d-token forwards over %d key slots", b.ids.shape[1], b.mask.shape[-1]
+        )
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: int, block: torch.Tensor) -> torch.Tensor:
@@ -130,7 +144,7 @@ class StaticForward:
         end = ctx + nb
         if end > self.capacity:
             raise ValueError(f"static forward needs {end} slots; the workspace holds {self.capacity}")
-        b = self._buffers(q)
+        b = self._buffers(q, kv_bucket(end, self.capacity))
         if self.use_graphs and b.graph is None:
             self._capture(b)
         b.ids[0].copy_(h2d(ids, self.device), non_blocking=True)

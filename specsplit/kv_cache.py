@@ -32,6 +32,7 @@ class _StaticKVLayer(CacheLayerMixin):
         self.length = 0
         # Static-shape mode (CUDA graphs): write at these slots, attend over the whole buffer.
         self.write_pos: torch.Tensor | None = None
+        self.read_len: int | None = None  # static mode: attend over the first read_len slots only
         self.pinned = False  # buffers captured by CUDA graphs must never be reallocated
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -69,6 +70,8 @@ class _StaticKVLayer(CacheLayerMixin):
         if self.write_pos is not None:
             self.keys.index_copy_(2, self.write_pos, key_states)
             self.values.index_copy_(2, self.write_pos, value_states)
+            if self.read_len is not None:
+                return self.keys[:, :, : self.read_len], self.values[:, :, : self.read_len]
             return self.keys, self.values
         q = key_states.shape[-2]
         end = self.length + q
@@ -153,10 +156,14 @@ class StaticKVCache(Cache):
                 layer.lazy_initialization(kv, kv)
             layer.pinned = True
 
-    def set_write_positions(self, positions: torch.Tensor | None) -> None:
-        """Switch to static-shape writes at ``positions`` (`[q]` slots) or back (``None``)."""
+    def set_write_positions(self, positions: torch.Tensor | None, read_len: int | None = None) -> None:
+        """Switch to static-shape writes at ``positions`` (`[q]` slots) or back (``None``).
+
+        ``read_len``: attention then reads only the first ``read_len`` slots (a fixed bucket that
+        covers the valid prefix), not the whole preallocated buffer."""
         for layer in self._static_layers:
             layer.write_pos = positions
+            layer.read_len = read_len if positions is not None else None
 
     def set_length(self, length: int) -> None:
         """Set the valid length (static-shape forwards do not move it themselves)."""

@@ -74,3 +74,28 @@ def test_pinned_workspace_never_reallocates(llama_target):
     sf = StaticForward(ModelRunner(llama_target, None, None, None, "auto"), 16, use_graphs=False)
     with pytest.raises(ResourceExhausted, match="graph_capacity"):
         sf.cache.ensure_capacity(64)
+
+
+def test_kv_buckets_follow_the_context(llama_target, llama_draft_random, monkeypatch):
+    """Attention reads a power-of-two bucket covering the valid prefix, not the whole workspace:
+    a generation that crosses the 256-slot bucket boundary uses two buckets and stays exact."""
+    from specsplit.graphs import kv_bucket
+
+    assert [kv_bucket(e, 4096) for e in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024, 4096]
+    seen: set[int] = set()
+    orig = StaticForward._forward
+
+    def spy(self, b):
+        seen.add(int(b.mask.shape[-1]))
+        return orig(self, b)
+
+    monkeypatch.setattr(StaticForward, "_forward", spy)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (1, 236), generator=g)
+    ref = llama_target.generate(ids, max_new_tokens=40, do_sample=False)
+    with SpecSplitGenerator(
+        llama_target, llama_draft_random, config=_cfg("static", True, capacity=1024)
+    ) as gen:
+        out = gen.generate(ids, max_new_tokens=40)
+    assert torch.equal(out, ref)
+    assert seen == {256, 512}
