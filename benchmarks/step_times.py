@@ -60,7 +60,13 @@ def time_ms(fn, reps: int = 50) -> float:
 
 @torch.inference_mode()
 def measure(
-    model: torch.nn.Module, name: str, device: torch.device, ctx: int, qs: list[int], bw: float
+    model: torch.nn.Module,
+    name: str,
+    device: torch.device,
+    ctx: int,
+    qs: list[int],
+    bw: float,
+    compile: bool = False,
 ) -> dict:
     from specsplit.engine_common import ModelRunner
     from specsplit.graphs import StaticForward
@@ -80,20 +86,30 @@ def measure(
     out["bound_ms"] = out["weight_bytes"] / bw * 1e3
     out["eager_step_ms"] = time_ms(eager_step)
     runner = ModelRunner(model, name, None, None, "auto")
-    sf = StaticForward(runner, ctx + 128, use_graphs=True)
-    for q in qs:
+    variants = [("graph", StaticForward(runner, ctx + 128, use_graphs=True))]
+    if compile:  # the same captured step, its forward fused by torch.compile first
+        variants.append(("compiled", StaticForward(runner, ctx + 128, use_graphs=True, compile=True)))
+    for (kind, sf), q in ((v, q) for v in variants for q in qs):
         ids = torch.randint(0, vocab, (q,), device=device)
         pos = torch.arange(ctx, ctx + q, device=device)
         block = torch.ones(q, q, dtype=torch.bool, device=device).tril()
         sf.cache.set_length(ctx)
 
-        def step(ids: torch.Tensor = ids, pos: torch.Tensor = pos, block: torch.Tensor = block) -> None:
+        def step(
+            ids: torch.Tensor = ids,
+            pos: torch.Tensor = pos,
+            block: torch.Tensor = block,
+            sf: StaticForward = sf,
+        ) -> None:
             sf.run(ids, pos, ctx, block)
             sf.cache.set_length(ctx)
 
+        t0 = time.perf_counter()
+        step()  # capture (and compile) outside the timing
+        out[f"{kind}_q{q}_setup_s"] = time.perf_counter() - t0
         ms = time_ms(step)
-        out[f"graph_q{q}_ms"] = ms
-        out[f"graph_q{q}_over_bound"] = ms / out["bound_ms"]
+        out[f"{kind}_q{q}_ms"] = ms
+        out[f"{kind}_q{q}_over_bound"] = ms / out["bound_ms"]
     return out
 
 
@@ -105,6 +121,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--qs", default="1,5,17,33")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--compile", action="store_true", help="also time the torch.compile-fused captured step")
     args = ap.parse_args()
     from specsplit.models import load_model
 
@@ -114,7 +131,7 @@ def main() -> None:
     rows = []
     for role, name in (("target", args.target), ("draft", args.draft)):
         model = load_model(name, dtype=torch.bfloat16, device=str(device))
-        r = measure(model, name, device, args.context, qs, bw)
+        r = measure(model, name, device, args.context, qs, bw, args.compile)
         r["role"] = role
         rows.append(r)
         del model
@@ -133,16 +150,19 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu.lower().replace("nvidia ", "").split()[0]
     (out / f"step_times-{slug}.json").write_text(json.dumps(result, indent=2))
+    kinds = ["graph"] + (["compiled"] if args.compile else [])
     lines = [
         f"# Step times on {gpu} (bf16, context {args.context}; copy bandwidth {bw / 1e9:.0f} GB/s)",
         "",
         "| model | weights GB | bound ms | eager HF step ms | "
-        + " | ".join(f"graph q={q} ms (x bound)" for q in qs)
+        + " | ".join(f"{k} q={q} ms (x bound)" for k in kinds for q in qs)
         + " |",
-        "|---|---|---|---|" + "---|" * len(qs),
+        "|---|---|---|---|" + "---|" * (len(qs) * len(kinds)),
     ]
     for r in rows:
-        cells = " | ".join(f"{r[f'graph_q{q}_ms']:.2f} ({r[f'graph_q{q}_over_bound']:.1f}x)" for q in qs)
+        cells = " | ".join(
+            f"{r[f'{k}_q{q}_ms']:.2f} ({r[f'{k}_q{q}_over_bound']:.1f}x)" for k in kinds for q in qs
+        )
         lines.append(
             f"| {r['role']} {r['model']} | {r['weight_bytes'] / 1e9:.2f} | {r['bound_ms']:.2f} | "
             f"{r['eager_step_ms']:.2f} | {cells} |"

@@ -108,6 +108,7 @@ class BenchOptions:
     num_draft_tokens: int = 4
     threads: int | None = None
     cuda_graphs: bool = False
+    compile: bool = False  # SpecSplit engines fuse their static-path forwards with torch.compile
     prompts_dir: Path = DEFAULT_PROMPTS
     out: Path = Path("benchmarks/results")
     tag: str = ""
@@ -284,7 +285,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
     decoders, skipped = build_decoders(
-        models, opts.decoders, opts.num_draft_tokens, opts.cuda_graphs, opts.sync_timing
+        models, opts.decoders, opts.num_draft_tokens, opts.cuda_graphs, opts.sync_timing, opts.compile
     )
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
@@ -326,6 +327,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "sync_timing": opts.sync_timing,
             "num_draft_tokens": opts.num_draft_tokens,
             "cuda_graphs": opts.cuda_graphs,
+            "compile": opts.compile,
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
             "num_prompts": len(prompts),
             "prompt_ids": [p.id for p in prompts],
@@ -401,6 +403,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="time the Hugging Face decoders (hf-*) in the first N repeats only (they are the slow ones)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="SpecSplit engines fuse their static-path forwards with torch.compile (experimental; "
+        "compiles on first use)",
     )
     p.add_argument(
         "--sync-timing",
@@ -482,6 +490,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
         parts.append("--cuda-graphs")
+    if args.compile:
+        parts.append("--compile")
     if args.sync_timing:
         parts.append("--sync-timing")
     if args.tie_analysis is not None:
@@ -512,6 +522,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         threads=args.threads,
         cuda_graphs=args.cuda_graphs,
+        compile=args.compile,
         prompts_dir=args.prompts,
         out=args.out,
         tag=args.tag,

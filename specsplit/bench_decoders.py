@@ -305,7 +305,9 @@ def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: C
     return Decoder(name, label, run, close)
 
 
-def _grpc_decoder(m: BenchModels, tree: Any, sync: bool, graphs: bool) -> Decoder | str:
+def _grpc_decoder(
+    m: BenchModels, tree: Any, sync: bool, graphs: bool, compile: bool = False
+) -> Decoder | str:
     """Both workers in this process on loopback ports; a string says why it is unavailable."""
     try:
         from specsplit.remote import serve_draft, serve_target
@@ -316,8 +318,8 @@ def _grpc_decoder(m: BenchModels, tree: Any, sync: bool, graphs: bool) -> Decode
     from specsplit.generator import SpecSplitGenerator
     from specsplit.target import TargetEngine
 
-    d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs))
-    t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs))
+    d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs, compile=compile))
+    t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
     t_srv = serve_target(t_engine, port=0, host="127.0.0.1")
     cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
@@ -334,7 +336,12 @@ def _grpc_decoder(m: BenchModels, tree: Any, sync: bool, graphs: bool) -> Decode
 
 
 def build_decoders(
-    m: BenchModels, names: Sequence[str], k: int, cuda_graphs: bool = False, sync_timing: bool = False
+    m: BenchModels,
+    names: Sequence[str],
+    k: int,
+    cuda_graphs: bool = False,
+    sync_timing: bool = False,
+    compile: bool = False,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -344,6 +351,7 @@ def build_decoders(
         k: draft tokens per round for ``hf-assisted`` and the SpecSplit chain.
         cuda_graphs: SpecSplit engines replay their fixed-shape steps from CUDA graphs
             (``DraftConfig/TargetConfig.cuda_graphs``; eager on CPU).
+        compile: SpecSplit engines fuse their static-path forwards with ``torch.compile``.
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.
@@ -376,8 +384,9 @@ def build_decoders(
     where = f"draft on {m.overlap_draft_device or m.draft_device}, target on {m.device}"
     labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"
     labels["specsplit-overlap-dynamic"] = f"{labels['specsplit-dynamic']}, overlapped pipeline ({where})"
-    if cuda_graphs:
-        labels = {n: (f"{v}, CUDA graphs" if n.startswith("specsplit") else v) for n, v in labels.items()}
+    if cuda_graphs or compile:
+        extra = ", ".join(x for x, on in (("CUDA graphs", cuda_graphs), ("torch.compile", compile)) if on)
+        labels = {n: (f"{v}, {extra}" if n.startswith("specsplit") else v) for n, v in labels.items()}
     decoders: list[Decoder] = []
     skipped: dict[str, str] = {}
     try:
@@ -396,7 +405,7 @@ def build_decoders(
             elif name == "hf-prompt-lookup":
                 decoders.append(_hf_decoder(name, labels[name], m, lookup=True))
             elif name == "specsplit-grpc":
-                dec = _grpc_decoder(m, trees["specsplit-chain"], sync, cuda_graphs)
+                dec = _grpc_decoder(m, trees["specsplit-chain"], sync, cuda_graphs, compile)
                 if isinstance(dec, str):
                     logger.warning("skipping specsplit-grpc: %s", dec)
                     skipped[name] = dec
@@ -409,8 +418,8 @@ def build_decoders(
                 cfg = SpecSplitConfig(
                     tree=copy.deepcopy(trees.get(name, trees["specsplit-chain"])),
                     sync_timing=sync,
-                    draft=DraftConfig(cuda_graphs=cuda_graphs),
-                    target=TargetConfig(cuda_graphs=cuda_graphs),
+                    draft=DraftConfig(cuda_graphs=cuda_graphs, compile=compile),
+                    target=TargetConfig(cuda_graphs=cuda_graphs, compile=compile),
                     overlap=name.startswith("specsplit-overlap"),
                 )
                 gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)

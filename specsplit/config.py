@@ -120,6 +120,9 @@ class DraftConfig:
         cuda_graphs: run fixed-shape steps (padded ingest, tree levels) over a static workspace
             cache and replay them from CUDA graphs (on CPU the same static path runs eagerly).
         graph_capacity: slots of that workspace (the longest session it serves).
+        compile: fuse the static-path forward with ``torch.compile`` (Inductor, default mode)
+            before it is captured: fewer, larger kernels per layer. The first calls compile (tens
+            of seconds on a GPU host); experimental, off by default.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
     """
 
@@ -131,6 +134,7 @@ class DraftConfig:
     session_ttl_s: float = 600.0
     cuda_graphs: bool = False
     graph_capacity: int = 2048
+    compile: bool = False
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
@@ -155,7 +159,8 @@ class TargetConfig:
         max_tree_nodes / max_tree_depth: largest tree a request may carry.
         max_context: largest prompt + generation a session may grow to.
         stateless: keep no KV between requests (every request must carry the full context).
-        cuda_graphs / graph_capacity: as for :class:`DraftConfig` (the verify step of a fixed tree).
+        cuda_graphs / graph_capacity / compile: as for :class:`DraftConfig` (the verify step of a
+            fixed tree).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
@@ -174,6 +179,7 @@ class TargetConfig:
     stateless: bool = False
     cuda_graphs: bool = False
     graph_capacity: int = 2048
+    compile: bool = False
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
 
     def __post_init__(self) -> None:

@@ -78,7 +78,9 @@ class DraftEngine:
             self.config.max_sessions, self.config.session_ttl_s, "draft-sessions", self._on_evict
         )
         self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
-        self._workspace = Workspace(self.runner, self.config.graph_capacity, use_graphs=True)
+        self._workspace = Workspace(
+            self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
+        )
 
     def _on_evict(self, session_id: str, state: DraftCacheState) -> None:
         self._workspace.release(session_id)

@@ -59,7 +59,7 @@ class StaticForward:
         use_graphs: capture CUDA graphs (only on CUDA devices).
     """
 
-    def __init__(self, runner: ModelRunner, capacity: int, use_graphs: bool):
+    def __init__(self, runner: ModelRunner, capacity: int, use_graphs: bool, compile: bool = False):
         model = runner.require()
         self.runner = runner
         self.capacity = capacity
@@ -79,6 +79,10 @@ class StaticForward:
                 self._pool = torch.cuda.graph_pool_handle()
         self._neg = torch.finfo(runner.dtype).min
         self.captures = 0
+        self._step: Any = None
+        if compile:
+            _raise_recompile_limit(64)  # one graph per (tokens, bucket); shapes go dynamic after two
+            self._step = torch.compile(self._model_step)
 
     def _buffers(self, q: int, kv: int) -> _Buffers:
         b = self._bufs.get((q, kv))
@@ -96,9 +100,25 @@ class StaticForward:
     def _forward(self, b: _Buffers) -> torch.Tensor:
         self.cache.set_write_positions(b.wpos, b.mask.shape[-1])
         try:
+            if self._step is not None:
+                self.runner.forward_count += 1
+                out: torch.Tensor = self._step(b.ids, b.pos, b.mask)
+                return out
             return self.runner.forward(b.ids, b.pos, b.mask, self.cache, logits_to_keep=b.ids.shape[1])
         finally:
             self.cache.set_write_positions(None)
+
+    def _model_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The model call that ``torch.compile`` fuses (static buffers in, logits out)."""
+        out = self.runner.require()(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=ids.shape[1],
+        )
+        return out.logits[0]
 
     def _capture(self, b: _Buffers) -> None:
         # Capture on the model's own device (it need not be the current one).
@@ -166,6 +186,13 @@ class StaticForward:
         return out
 
 
+def _raise_recompile_limit(n: int) -> None:
+    cfg: Any = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+
+
 class Workspace:
     """One static workspace per engine, lent to one session at a time (others run eagerly).
 
@@ -173,17 +200,18 @@ class Workspace:
     graphs are then reused by every round of every session.
     """
 
-    def __init__(self, runner: ModelRunner, capacity: int, use_graphs: bool):
+    def __init__(self, runner: ModelRunner, capacity: int, use_graphs: bool, compile: bool = False):
         self._runner = runner
         self._capacity = capacity
         self._use_graphs = use_graphs
+        self._compile = compile
         self._static: StaticForward | None = None
         self.owner: str | None = None
 
     @property
     def static(self) -> StaticForward:
         if self._static is None:
-            self._static = StaticForward(self._runner, self._capacity, self._use_graphs)
+            self._static = StaticForward(self._runner, self._capacity, self._use_graphs, self._compile)
         return self._static
 
     def acquire(self, session_id: str, needed: int) -> StaticKVCache | None:

@@ -87,7 +87,9 @@ class TargetEngine:
         self._store = make_store(
             self.config.max_sessions, self.config.session_ttl_s, "target-sessions", self._on_evict
         )
-        self._workspace = Workspace(self.runner, self.config.graph_capacity, use_graphs=True)
+        self._workspace = Workspace(
+            self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
+        )
         pv_cfg = self.config.specpv
         use_pv = pv_cfg.enabled and not self.config.stateless
         self._specpv = PartialVerifier(pv_cfg, self.runner) if use_pv else None

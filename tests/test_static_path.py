@@ -99,3 +99,18 @@ def test_kv_buckets_follow_the_context(llama_target, llama_draft_random, monkeyp
         out = gen.generate(ids, max_new_tokens=40)
     assert torch.equal(out, ref)
     assert seen == {256, 512}
+
+
+@pytest.mark.large  # Inductor compiles C++ kernels on CPU: about a minute on 2 cores
+def test_compiled_static_path_is_exact(llama_target, llama_draft_random):
+    """``compile=True`` fuses the static-path forward with torch.compile; tokens stay exact."""
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape="static"),
+        draft=DraftConfig(cuda_graphs=True, graph_capacity=256, compile=True),
+        target=TargetConfig(cuda_graphs=True, graph_capacity=256, compile=True),
+    )
+    ids = torch.tensor([PROMPT])
+    ref = llama_target.generate(ids, max_new_tokens=24, do_sample=False)
+    with SpecSplitGenerator(llama_target, llama_draft_random, config=cfg) as gen:
+        assert torch.equal(gen.generate(ids, max_new_tokens=24), ref)
+        assert gen.target_engine._workspace.static._step is not None
