@@ -204,6 +204,9 @@ class SpecSplitConfig:
         tls_ca_file: CA certificate that signs the workers' TLS certificates (gRPC mode).
         overlap: draft round N+1 while round N verifies (needs draft and target on different
             devices or machines to pay off; output is identical either way).
+        overlap_policy: ``"adaptive"`` (default) times short probes with and without speculation
+            and keeps whichever commits tokens faster, re-probing now and then; ``"always"``
+            speculates every round.
         sync_timing: synchronise the device around each span so the draft/verify split in
             telemetry is exact (costs a little speed on GPU).
     """
@@ -218,6 +221,7 @@ class SpecSplitConfig:
     auth_token: str | None = None
     tls_ca_file: str | None = None
     overlap: bool = False
+    overlap_policy: Literal["adaptive", "always"] = "adaptive"
     sync_timing: bool = False
 
     def __post_init__(self) -> None:
@@ -228,6 +232,8 @@ class SpecSplitConfig:
                 "transport='grpc' needs target_address='host:port' (or SPECSPLIT_TARGET_ADDRESS); "
                 "draft_address is optional (without it the client decodes target-only)"
             )
+        if self.overlap_policy not in ("adaptive", "always"):
+            raise ConfigError(f"overlap_policy must be 'adaptive' or 'always', got {self.overlap_policy!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         self.target.specpv.check_tree(self.tree.max_nodes, self.tree.depth_limit)

@@ -275,6 +275,7 @@ class SpecSplitGenerator:
             generator=generator,
             after_draft=after,
             overlap=self.config.overlap,
+            overlap_policy=self.config.overlap_policy,
         )
 
     @staticmethod

@@ -42,6 +42,50 @@ class DecodeParams:
     generator: torch.Generator | None = None  # CPU RNG the per-round seeds are drawn from
     after_draft: Callable[[], None] | None = None  # e.g. a device sync for exact timing
     overlap: bool = False  # draft round N+1 (speculatively) while round N verifies
+    overlap_policy: str = "adaptive"  # or "always" (see SpecSplitConfig.overlap_policy)
+
+
+class OverlapPolicy:
+    """When to speculate in overlapped mode: measure, keep the faster, re-measure now and then.
+
+    Speculation never changes the committed tokens, only the time they take: whether it pays depends
+    on the draft/verify cost ratio and the hit rate, which vary by machine, model pair and prompt. So
+    the policy times ``probe`` rounds with speculation and ``probe`` rounds without (wall seconds
+    per committed token), holds the faster mode for ``hold`` rounds, then probes the other mode
+    again and compares. ``always=True`` speculates every round.
+    """
+
+    def __init__(self, always: bool = False, probe: int = 6, hold: int = 24):
+        self.always, self.probe, self.hold = always, probe, hold
+        self.cost: dict[bool, float | None] = {True: None, False: None}  # seconds per token
+        self.mode, self.left, self.measuring = True, probe, True
+        self._time, self._tokens = 0.0, 0
+
+    def speculate(self) -> bool:
+        return self.always or self.mode
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """One finished round: its wall time and committed tokens."""
+        if self.always:
+            return
+        if self.measuring:
+            self._time += seconds
+            self._tokens += tokens
+        self.left -= 1
+        if self.left > 0:
+            return
+        if self.measuring:
+            self.cost[self.mode] = self._time / max(self._tokens, 1)
+            self._time, self._tokens = 0.0, 0
+        other = not self.mode
+        if self.cost[other] is None or not self.measuring:  # measure the other mode next
+            self.mode, self.left, self.measuring = other, self.probe, True
+        else:  # both measured: hold the faster
+            best = min((True, False), key=lambda m: self.cost[m] or 0.0)
+            if best != self.mode:
+                logger.debug("overlap policy: speculation %s (%.4g vs %.4g s/token)",
+                             "on" if best else "off", self.cost[True], self.cost[False])  # fmt: skip
+            self.mode, self.left, self.measuring = best, self.hold, False
 
 
 class _StopChecker:
@@ -111,6 +155,7 @@ def decode(
     target_prefix, pending = 0, list(prompt)
     ready: DraftResult | None = None  # next round's tree, drafted speculatively (a hit)
     pool = ThreadPoolExecutor(1, thread_name_prefix="specsplit-verify") if overlap else None
+    policy = OverlapPolicy(always=params.overlap_policy == "always")
     seeds = _round_seeds(params)
     t_start = time.perf_counter()
     try:
@@ -140,7 +185,7 @@ def decode(
             vreq = VerifyRequest(sid, tree, pending, target_prefix, params.sampling, seed_v, capacity)
             seeds = _round_seeds(params)  # next round's, drawn before speculation uses them
             spec, spec_s = None, 0.0
-            if pool is not None and use_draft and dres is not None and remaining > 2:
+            if pool is not None and use_draft and dres is not None and remaining > 2 and policy.speculate():
                 job = pool.submit(_timed_verify, transport, vreq, prompt + out, stats)
                 spec, spec_s = _speculate(
                     transport, sid, draft_prefix, params, seeds[0], remaining - 1, capacity
@@ -164,6 +209,8 @@ def decode(
             else:
                 draft_new = draft_new + new
             t3 = time.perf_counter()
+            if pool is not None:
+                policy.record(t3 - t0, len(kept))
             server = (dres.stats.wall_time_s if dres else 0.0) + vres.stats.wall_time_s
             stats.rounds.append(
                 RoundStats(

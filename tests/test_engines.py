@@ -103,13 +103,14 @@ def test_lost_sessions_are_recovered_with_unchanged_output(llama_target, llama_d
 
 
 def test_sessions_end_lru_and_ttl(llama_target):
-    te = TargetEngine(llama_target, TargetConfig(max_sessions=2, session_ttl_s=0.2))
+    # A TTL long enough that a loaded CI machine cannot expire sessions during the LRU checks.
+    te = TargetEngine(llama_target, TargetConfig(max_sessions=2, session_ttl_s=3.0))
     for sid in ("a", "b", "c"):
         te.verify(VerifyRequest(sid, TokenTree.empty(), PROMPT, 0))
     assert te.active_sessions == 2 and not te.has_session("a")  # LRU evicted
     assert te.has_usable_session("c")
     assert te.end_session("c") and not te.end_session("c")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while te.active_sessions and time.monotonic() < deadline:  # background purger
         time.sleep(0.05)
     assert te.active_sessions == 0

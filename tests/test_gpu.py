@@ -155,7 +155,7 @@ def test_overlap_two_devices_equals_sequential(llama_target, shape, graphs):
     for overlap in (False, True):
         for sample in (False, True):
             cfg = SpecSplitConfig(
-                tree=TreeConfig(shape=shape), overlap=overlap,
+                tree=TreeConfig(shape=shape), overlap=overlap, overlap_policy="always",
                 draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=graphs),
                 target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=graphs),
             )  # fmt: skip

@@ -36,7 +36,7 @@ def noisy_draft(llama_target):
 
 
 def _generate(target, draft, tree, overlap, ids, n=48, **kw):
-    cfg = SpecSplitConfig(tree=copy.deepcopy(tree), overlap=overlap)
+    cfg = SpecSplitConfig(tree=copy.deepcopy(tree), overlap=overlap, overlap_policy="always")
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         return gen.generate(ids, max_new_tokens=n, return_dict_in_generate=True, **kw)
 
@@ -182,3 +182,66 @@ def test_speculation_depth_budget_and_bad_requests(llama_target):
         DraftRequest("s", [], spec.prefix_length, tree, SamplingParams(), max_depth=3, speculate=True)
     )
     assert spec.tree.num_nodes == 0
+
+
+# ------------------------------------------------------------------------------ adaptive policy
+
+
+def test_overlap_policy_keeps_the_faster_mode():
+    from specsplit.pipeline import OverlapPolicy
+
+    def run(policy, spec_cost, plain_cost, rounds):
+        modes = []
+        for _ in range(rounds):
+            on = policy.speculate()
+            modes.append(on)
+            policy.record(spec_cost if on else plain_cost, 1)
+        return modes
+
+    slow = run(OverlapPolicy(probe=3, hold=10), spec_cost=2.0, plain_cost=1.0, rounds=3 + 3 + 10 + 3 + 10)
+    assert slow == [True] * 3 + [False] * 3 + [False] * 10 + [True] * 3 + [False] * 10
+    fast = run(OverlapPolicy(probe=3, hold=10), spec_cost=0.5, plain_cost=1.0, rounds=3 + 3 + 10 + 3)
+    assert fast == [True] * 3 + [False] * 3 + [True] * 10 + [False] * 3
+    assert all(run(OverlapPolicy(always=True), 9.0, 1.0, 30))
+
+
+class _SlowSpeculation:
+    """A LocalTransport whose speculative drafts are slow: speculation cannot pay."""
+
+    def __init__(self, inner, delay_s):
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def has_draft(self):
+        return self.inner.has_draft
+
+    def draft(self, req):
+        if req.speculate:
+            import time
+
+            time.sleep(self.delay_s)
+        return self.inner.draft(req)
+
+
+def test_adaptive_policy_turns_slow_speculation_off(llama_target, noisy_draft):
+    from specsplit.draft import DraftEngine
+    from specsplit.local import LocalTransport
+    from specsplit.pipeline import DecodeParams, decode
+    from specsplit.target import TargetEngine
+
+    tree = TreeConfig(shape="chain", num_draft_tokens=2)
+    outs = {}
+    for policy in ("always", "adaptive"):
+        transport = _SlowSpeculation(
+            LocalTransport(DraftEngine(noisy_draft), TargetEngine(llama_target)), 0.05
+        )
+        params = DecodeParams(max_new_tokens=120, tree=tree, overlap=True, overlap_policy=policy)
+        outs[policy] = decode(transport, PROMPTS[0], params)
+    assert outs["always"][0] == outs["adaptive"][0]
+    always, adaptive = outs["always"][1], outs["adaptive"][1]
+    assert always.spec_rounds >= len(always.rounds) - 2
+    # 6 probe rounds, 6 without, then mostly without (a 6-round re-probe every 24 rounds).
+    assert 6 <= adaptive.spec_rounds <= len(adaptive.rounds) // 2

@@ -129,7 +129,8 @@ def test_overlapped_grpc_equals_sequential_local(workers, engines, tree: str, sa
     ref = run(local_gen(engines, TREES[tree]), ids, mask, SAMPLING[sampling], seed=9, n=40)
     target, drafter = workers
     cfg = SpecSplitConfig(transport="grpc", tree=TREES[tree], target_address=target.address,
-                          draft_address=drafter.address, timeout_s=60.0, overlap=True)  # fmt: skip
+                          draft_address=drafter.address, timeout_s=60.0, overlap=True,
+                          overlap_policy="always")  # fmt: skip
     with SpecSplitGenerator(config=cfg) as gen:
         out = run(gen, ids, mask, SAMPLING[sampling], seed=9, n=40)
     assert torch.equal(out.sequences, ref.sequences)
