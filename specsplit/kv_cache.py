@@ -115,6 +115,7 @@ class StaticKVCache(Cache):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         super().__init__(layers=[_StaticKVLayer(capacity) for _ in range(num_layers)])
+        self._kv: torch.Tensor | None = None  # [layers, 2, B, H, capacity, D] when allocated at once
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, capacity: int) -> StaticKVCache:
@@ -149,11 +150,23 @@ class StaticKVCache(Cache):
     def allocate(
         self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Allocate every layer's buffers now (static-shape mode needs them before capture)."""
-        for layer in self._static_layers:
+        """Allocate every layer's buffers now (static-shape mode needs them before capture).
+
+        All layers are views of ONE buffer, so compacting an accepted branch is two kernels for
+        the whole model instead of four per layer."""
+        layers = self._static_layers
+        if not any(layer.is_initialized for layer in layers):
+            cap = layers[0].capacity
+            kv = torch.zeros(len(layers), 2, batch, kv_heads, cap, head_dim, dtype=dtype, device=device)
+            for i, layer in enumerate(layers):
+                layer.keys, layer.values = kv[i, 0], kv[i, 1]
+                layer.dtype, layer.device = dtype, device
+                layer.is_initialized = True
+            self._kv = kv
+        for layer in layers:
             if not layer.is_initialized:
-                kv = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
-                layer.lazy_initialization(kv, kv)
+                empty = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+                layer.lazy_initialization(empty, empty)
             layer.pinned = True
 
     def set_write_positions(self, positions: torch.Tensor | None, read_len: int | None = None) -> None:
@@ -209,6 +222,14 @@ class StaticKVCache(Cache):
             start: first destination slot.
         """
         m = int(keep_indices.shape[0])
+        if self._kv is not None:  # one buffer for all layers: gather once, write once
+            if m:
+                pinned = keep_indices.pin_memory() if self._kv.device.type == "cuda" else keep_indices
+                slots = pinned.to(self._kv.device, non_blocking=True)
+                self._kv[:, :, :, :, start : start + m] = self._kv.index_select(4, slots)
+            for layer in self._static_layers:
+                layer.length = start + m
+            return
         on_device: dict[torch.device, torch.Tensor] = {}
         for layer in self._static_layers:
             if m and layer.is_initialized:

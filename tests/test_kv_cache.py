@@ -65,6 +65,31 @@ def test_compact_keeps_accepted_branch(llama_target):
     torch.testing.assert_close(nxt, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_allocated_cache_is_one_buffer_and_compacts_like_per_layer(llama_target):
+    """``allocate`` (the static workspace) makes every layer a view of one buffer; compaction then
+    moves all layers at once and must equal the per-layer path."""
+    model = llama_target
+    parents = torch.tensor([-1, -1, 1, 2])
+    caches = []
+    for shared in (False, True):
+        cache = StaticKVCache.for_model(model, 32)
+        if shared:
+            cache.allocate(1, 2, 16, torch.float32, torch.device("cpu"))
+            assert cache._kv is not None and cache._kv.shape == (2, 2, 1, 2, 32, 16)
+        with torch.no_grad():
+            model(torch.tensor([[5, 17, 33]]), past_key_values=cache)
+            mask, pos = build_verify_attention(parents, 3, 0)
+            model(
+                torch.tensor([[10, 11, 12, 13]]), attention_mask=mask, position_ids=pos, past_key_values=cache
+            )
+        cache.compact(torch.tensor([4, 5, 6]), start=3)
+        caches.append(cache)
+    assert caches[1].seq_len == caches[0].seq_len == 6
+    for i in range(2):
+        for a, b in zip(caches[0].get_kv_for_layer(i), caches[1].get_kv_for_layer(i), strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def test_cache_grows_in_chunks_when_estimate_is_exceeded(llama_target):
     cache = StaticKVCache.for_model(llama_target, 4)
     with torch.no_grad():
