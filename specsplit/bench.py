@@ -109,6 +109,7 @@ class BenchOptions:
     threads: int | None = None
     cuda_graphs: bool = False
     compile: bool = False  # SpecSplit engines fuse their static-path forwards with torch.compile
+    grpc_workers: str = "process"  # specsplit-grpc workers: "process" (separate serve processes) or "thread"
     prompts_dir: Path = DEFAULT_PROMPTS
     out: Path = Path("benchmarks/results")
     tag: str = ""
@@ -285,7 +286,13 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
     decoders, skipped = build_decoders(
-        models, opts.decoders, opts.num_draft_tokens, opts.cuda_graphs, opts.sync_timing, opts.compile
+        models,
+        opts.decoders,
+        opts.num_draft_tokens,
+        opts.cuda_graphs,
+        opts.sync_timing,
+        opts.compile,
+        opts.grpc_workers == "process",
     )
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
@@ -328,6 +335,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "num_draft_tokens": opts.num_draft_tokens,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
+            "grpc_workers": opts.grpc_workers,
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
             "num_prompts": len(prompts),
             "prompt_ids": [p.id for p in prompts],
@@ -403,6 +411,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="time the Hugging Face decoders (hf-*) in the first N repeats only (they are the slow ones)",
+    )
+    p.add_argument(
+        "--grpc-workers",
+        choices=["process", "thread"],
+        default="process",
+        help="specsplit-grpc: workers as separate `specsplit serve` processes (default; real models) or "
+        "as servers inside the bench process (they then share its GIL)",
     )
     p.add_argument(
         "--compile",
@@ -492,6 +507,7 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts.append("--cuda-graphs")
     if args.compile:
         parts.append("--compile")
+    parts += ["--grpc-workers", args.grpc_workers]
     if args.sync_timing:
         parts.append("--sync-timing")
     if args.tie_analysis is not None:
@@ -523,6 +539,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         cuda_graphs=args.cuda_graphs,
         compile=args.compile,
+        grpc_workers=args.grpc_workers,
         prompts_dir=args.prompts,
         out=args.out,
         tag=args.tag,

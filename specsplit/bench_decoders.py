@@ -306,17 +306,47 @@ def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: C
 
 
 def _grpc_decoder(
-    m: BenchModels, tree: Any, sync: bool, graphs: bool, compile: bool = False
+    m: BenchModels, tree: Any, sync: bool, graphs: bool, compile: bool = False, processes: bool = True
 ) -> Decoder | str:
-    """Both workers in this process on loopback ports; a string says why it is unavailable."""
+    """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
+    (``processes``, real models only) or servers inside this process. A string says why the
+    decoder is unavailable."""
     try:
         from specsplit.remote import serve_draft, serve_target
+        from specsplit.remote.launch import WorkerProcess
     except ImportError as e:
         return f"specsplit.remote is not importable ({e})"
     from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig
     from specsplit.draft import DraftEngine
     from specsplit.generator import SpecSplitGenerator
     from specsplit.target import TargetEngine
+
+    if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
+        extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])
+        workers = [
+            WorkerProcess("draft", m.draft_name, device=m.draft_device, dtype=m.dtype, args=extra),
+            WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype, args=extra),
+        ]
+        try:
+            for w in workers:
+                w.start()
+        except Exception:
+            for w in workers:
+                w.stop(grace=1.0)
+            raise
+        cfg = SpecSplitConfig(transport="grpc", draft_address=workers[0].address,
+                              target_address=workers[1].address, tree=copy.deepcopy(tree),
+                              sync_timing=False, timeout_s=600.0)  # fmt: skip
+        pgen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
+
+        def close_processes() -> None:
+            pgen.close()
+            for w in workers:
+                w.stop()
+
+        plabel = (f"SpecSplit chain K={tree.num_draft_tokens} over gRPC, draft and target workers as "
+                  "separate processes on loopback")  # fmt: skip
+        return _specsplit_decoder("specsplit-grpc", plabel, m, pgen, close_processes)
 
     d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs, compile=compile))
     t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
@@ -342,6 +372,7 @@ def build_decoders(
     cuda_graphs: bool = False,
     sync_timing: bool = False,
     compile: bool = False,
+    grpc_processes: bool = True,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -352,6 +383,8 @@ def build_decoders(
         cuda_graphs: SpecSplit engines replay their fixed-shape steps from CUDA graphs
             (``DraftConfig/TargetConfig.cuda_graphs``; eager on CPU).
         compile: SpecSplit engines fuse their static-path forwards with ``torch.compile``.
+        grpc_processes: ``specsplit-grpc`` runs its workers as separate ``specsplit serve``
+            processes (real models; the tiny smoke models always run in-process).
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.
@@ -405,7 +438,7 @@ def build_decoders(
             elif name == "hf-prompt-lookup":
                 decoders.append(_hf_decoder(name, labels[name], m, lookup=True))
             elif name == "specsplit-grpc":
-                dec = _grpc_decoder(m, trees["specsplit-chain"], sync, cuda_graphs, compile)
+                dec = _grpc_decoder(m, trees["specsplit-chain"], sync, cuda_graphs, compile, grpc_processes)
                 if isinstance(dec, str):
                     logger.warning("skipping specsplit-grpc: %s", dec)
                     skipped[name] = dec

@@ -459,3 +459,22 @@ def test_soak_sessions_end_and_memory_stays_flat(workers) -> None:
     for before, after in zip(rss0, rss1, strict=True):
         # A leaked KV cache would be ~50 KiB per session (10 MiB here); allocator noise is ~0.1 MiB.
         assert after - before < 4 * 1024, f"worker RSS grew from {before} to {after} KiB over 200 sessions"
+
+
+def test_worker_process_launcher(model_dirs) -> None:
+    """specsplit.remote.launch.WorkerProcess: spawn, READY, serve, stop; a bad model fails clearly."""
+    from specsplit.errors import TransportError
+    from specsplit.remote.launch import WorkerProcess
+
+    target = load_saved(model_dirs[0])
+    ids, mask = prompts(1, seed=6)
+    want = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with WorkerProcess("target", str(model_dirs[0]), device="cpu", dtype="float32", ready_timeout_s=120) as w:
+        cfg = SpecSplitConfig(transport="grpc", target_address=w.address, timeout_s=60.0)
+        with SpecSplitGenerator(config=cfg) as gen:
+            got = gen.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        proc = w.proc
+    assert torch.equal(got, want)
+    assert proc is not None and proc.poll() is not None  # stopped on exit
+    with pytest.raises(TransportError, match="did not start"):
+        WorkerProcess("target", str(model_dirs[0] / "missing"), device="cpu", ready_timeout_s=120).start()

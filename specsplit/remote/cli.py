@@ -48,6 +48,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--q-top-k", type=int, default=None, help="draft: support size of the sampled q")
     p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
     p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
+    p.add_argument("--compile", action="store_true", help="fuse the fixed-shape steps with torch.compile")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--specpv", action="store_true", help="target: SpecPV partial verification for long contexts (lossy)"
@@ -88,7 +89,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     token = _read_token(args)
-    common: dict[str, Any] = {"cuda_graphs": args.cuda_graphs}  # engine settings common to both roles
+    common: dict[str, Any] = {"cuda_graphs": args.cuda_graphs, "compile": args.compile}  # both roles
     if args.graph_capacity is not None:
         common["graph_capacity"] = args.graph_capacity
     if args.max_sessions is not None:
