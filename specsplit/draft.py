@@ -239,13 +239,7 @@ class DraftEngine:
         self, state: DraftCacheState, req: DraftRequest, stats: WorkerStats, capacity: int
     ) -> tuple[torch.Tensor, list[int]]:
         """Extend the session by its last tree's main path and its own next token (see DraftRequest)."""
-        if req.prefix_length != state.cached_prompt_len:
-            raise CacheDesyncError(
-                f"draft session {req.session_id!r} holds {state.cached_prompt_len} tokens, "
-                f"caller expected {req.prefix_length}; resend the full context",
-                expected=req.prefix_length,
-                actual=state.cached_prompt_len,
-            )
+        _require_length(state, req)
         if state.cached_last_logits is None:
             raise InvalidRequest("nothing to speculate from: the session has no pending logits")
         path = main_path(state.last_tree) if state.last_tree is not None else []
@@ -261,43 +255,19 @@ class DraftEngine:
         new = req.new_token_ids
         if req.prefix_length == 0:
             # Full context: reuse the longest cached prefix with identical ids.
-            old = state.cached_prompt_ids
-            lcp = 0
-            for a, b in zip(old, new, strict=False):
-                if a != b:
-                    break
-                lcp += 1
-            if lcp == len(new) == len(old) and state.cached_last_logits is not None:
+            if new == state.cached_prompt_ids and state.cached_last_logits is not None:
                 return state.cached_last_logits, True
             if not new:
                 raise InvalidRequest("new_token_ids is empty: a new context needs at least one token")
-            lcp = min(lcp, len(new) - 1)
-            state.kv_cache.rollback(lcp)
-            state.cached_prompt_ids = list(new[:lcp])
-            todo, hit = new[lcp:], lcp > 0
+            todo = _reuse_prefix(state, 0, new)
+            hit = len(todo) < len(new)
         elif state.spec_base is not None and req.prefix_length == state.spec_base < state.cached_prompt_len:
             # The guess of a speculative extension was wrong: keep the part of it that matches.
-            tail = state.cached_prompt_ids[req.prefix_length :]
             if not new:
                 raise InvalidRequest("new_token_ids is empty after a speculative extension")
-            lcp = 0
-            for a, b in zip(tail, new, strict=False):
-                if a != b:
-                    break
-                lcp += 1
-            lcp = min(lcp, len(new) - 1)  # the last token is fed again: its logits are needed
-            keep = req.prefix_length + lcp
-            state.kv_cache.rollback(keep)
-            del state.cached_prompt_ids[keep:]
-            todo, hit = new[lcp:], True
+            todo, hit = _reuse_prefix(state, req.prefix_length, new), True
         else:
-            if req.prefix_length != state.cached_prompt_len:
-                raise CacheDesyncError(
-                    f"draft session {req.session_id!r} holds {state.cached_prompt_len} tokens, "
-                    f"caller expected {req.prefix_length}; resend the full context",
-                    expected=req.prefix_length,
-                    actual=state.cached_prompt_len,
-                )
+            _require_length(state, req)
             if not new:
                 if state.cached_last_logits is None:
                     raise InvalidRequest("new_token_ids is empty and the session has no pending logits")
@@ -530,6 +500,31 @@ class DraftEngine:
 
     def __repr__(self) -> str:
         return f"DraftEngine(model={self.runner.model_name!r}, sessions={self.active_sessions})"
+
+
+def _require_length(state: DraftCacheState, req: DraftRequest) -> None:
+    if req.prefix_length != state.cached_prompt_len:
+        raise CacheDesyncError(
+            f"draft session {req.session_id!r} holds {state.cached_prompt_len} tokens, "
+            f"caller expected {req.prefix_length}; resend the full context",
+            expected=req.prefix_length,
+            actual=state.cached_prompt_len,
+        )
+
+
+def _reuse_prefix(state: DraftCacheState, base: int, new: list[int]) -> list[int]:
+    """Keep the cached ids after ``base`` that match ``new`` (never all of ``new``: the last token is
+    fed again for its logits), roll the cache back to them, and return what is left to feed.
+    Runs on a full-context resend or a wrong speculative guess, not every round."""
+    lcp = 0
+    for a, b in zip(state.cached_prompt_ids[base:], new, strict=False):
+        if a != b:
+            break
+        lcp += 1
+    keep = base + min(lcp, len(new) - 1)
+    state.kv_cache.rollback(keep)
+    del state.cached_prompt_ids[keep:]
+    return new[keep - base :]
 
 
 def main_path(tree: TokenTree) -> list[int]:

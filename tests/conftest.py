@@ -45,6 +45,40 @@ def tiny_qwen2(seed: int, layers: int = 2, vocab: int = VOCAB, hidden: int = 64)
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def noisy_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
+    """A copy of ``model`` with seeded Gaussian noise on every weight: a draft that agrees with the
+    target often but not always (partial acceptance, speculation that both hits and misses)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g).to(p.device))
+    return out
+
+
+@pytest.fixture
+def outcome_reads(monkeypatch):
+    """Counts ``VerifyOutcome.to_host`` calls, lifting CUDA's sync-debug "error" mode for exactly
+    that read: the one device-to-host read a round is allowed. Returns ``{"n": reads}``."""
+    from specsplit import verification
+
+    reads = {"n": 0}
+    orig = verification.VerifyOutcome.to_host
+
+    def allowed_read(self, token_ids):
+        reads["n"] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return orig(self, token_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(verification.VerifyOutcome, "to_host", allowed_read)
+    return reads
+
+
 def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
     """Scale the LM head so the random model has peaked (less tie-prone) next-token distributions."""
     with torch.no_grad():

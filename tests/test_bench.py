@@ -13,15 +13,8 @@ from specsplit.bench_decoders import DECODERS
 from specsplit.bench_report import RunRecord, first_difference, rounds_to_counts, summarize
 from specsplit.cli import main
 
-SPECULATIVE = (
-    "hf-assisted",
-    "specsplit-chain",
-    "specsplit-static",
-    "specsplit-dynamic",
-    "specsplit-overlap-chain",
-    "specsplit-overlap-dynamic",
-    "specsplit-grpc",
-)
+NOT_DRAFTING = {"hf-target", "hf-assisted-default", "hf-prompt-lookup", "specsplit-target-only"}
+SPECULATIVE = tuple(d for d in DECODERS if d not in NOT_DRAFTING)
 _METRICS = {
     "prompts": int,
     "new_tokens_per_prompt": float,

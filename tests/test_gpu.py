@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import noisy_copy
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
@@ -87,27 +88,14 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape):
 
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape, graphs, monkeypatch):
+def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape, graphs, outcome_reads):
     """Inside a round the only device-to-host read is the verification outcome (one copy)."""
     import copy
-
-    from specsplit import verification
 
     ddev, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
     draft = copy.deepcopy(llama_draft_random).to(ddev)
-    reads = {"n": 0}
-    orig = verification.VerifyOutcome.to_host
-
-    def allowed_read(self, token_ids):
-        reads["n"] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return orig(self, token_ids)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(verification.VerifyOutcome, "to_host", allowed_read)
+    reads = outcome_reads
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
         draft=DraftConfig(device=ddev, cuda_graphs=graphs, graph_capacity=512),
@@ -143,12 +131,7 @@ def test_overlap_two_devices_equals_sequential(llama_target, shape, graphs):
 
     ddev, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
-    draft = copy.deepcopy(llama_target)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.001 * torch.randn(p.shape, generator=g))
-    draft = draft.to(ddev)
+    draft = noisy_copy(llama_target, 0.001, seed=3).to(ddev)
     ids = torch.tensor([PROMPTS[0]])
     ref = target.generate(ids.to(tdev), max_new_tokens=48, do_sample=False).cpu()
     outs = {}

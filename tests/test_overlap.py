@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import noisy_copy
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import SamplingParams
@@ -27,12 +28,7 @@ PROMPTS = [[5, 17, 33, 81, 9, 100], [7, 7, 12], [44, 3, 19, 250, 61, 62, 63, 64,
 @pytest.fixture(scope="module")
 def noisy_draft(llama_target):
     """The target plus noise: accepts often but not always (speculation both hits and misses)."""
-    draft = copy.deepcopy(llama_target)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.001 * torch.randn(p.shape, generator=g))
-    return draft
+    return noisy_copy(llama_target, 0.001, seed=3)
 
 
 def _generate(target, draft, tree, overlap, ids, n=48, **kw):
