@@ -143,7 +143,7 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/step_times.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": _command(args),
         "rows": rows,
     }
     out = Path(args.out)
@@ -153,6 +153,11 @@ def main() -> None:
     kinds = ["graph"] + (["compiled"] if args.compile else [])
     lines = [
         f"# Step times on {gpu} (bf16, context {args.context}; copy bandwidth {bw / 1e9:.0f} GB/s)",
+        "",
+        f"- command: `{result['command']}`",
+        "- one model step at batch 1 over a static cache: eager HF, the captured CUDA graph"
+        + (", and the graph of the torch.compile-fused step" if args.compile else "")
+        + "; bound = weight bytes / copy bandwidth",
         "",
         "| model | weights GB | bound ms | eager HF step ms | "
         + " | ".join(f"{k} q={q} ms (x bound)" for k in kinds for q in qs)
@@ -169,6 +174,17 @@ def main() -> None:
         )
     (out / f"step_times-{slug}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (flags as flags, not ``--flag True``)."""
+    parts = ["python benchmarks/step_times.py"]
+    for k, v in vars(args).items():
+        if isinstance(v, bool):
+            parts += [f"--{k}"] if v else []
+        else:
+            parts.append(f"--{k} {v}")
+    return " ".join(parts)
 
 
 if __name__ == "__main__":
