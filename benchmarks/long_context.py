@@ -392,6 +392,7 @@ def pv_config(budget: int, args: argparse.Namespace, refresh: int | None = None)
         full_refresh_interval=refresh or args.refresh,
         retrieval_reduce=args.reduce,
         retrieval_refresh_interval=args.retrieval_refresh,
+        retrieval_query_window=args.query_window,
     )
 
 
@@ -426,7 +427,7 @@ def write_markdown(
         f"tree `{meta['tree']}`, greedy, {meta['new_tokens']} generated tokens per run, prompt kind "
         f"`{meta['prompt_kind']}` ({meta['task']}). SpecPV: threshold {meta['threshold']}, refresh every "
         f"{meta['refresh']} partial steps, retrieval re-selected every {meta.get('retrieval_refresh') or '-'} "
-        f"partial steps, reduce `{meta.get('reduce', 'mean')}`, window {meta.get('window_blocks', 8)} blocks, "
+        f"partial steps (query window {meta.get('query_window') or '-'}), reduce `{meta.get('reduce', 'mean')}`, window {meta.get('window_blocks', 8)} blocks, "
         f"main budget {meta['budget']} tokens. Torch threads: "
         f"{meta['threads']}.",
         "",
@@ -556,6 +557,12 @@ def main() -> int:
         default=0,
         help="SpecPV retrieval_refresh_interval: re-select the retrieved blocks every N partial steps (0: off)",
     )
+    ap.add_argument(
+        "--query-window",
+        type=int,
+        default=0,
+        help="SpecPV retrieval_query_window: score re-selections with the last N committed tokens' queries",
+    )
     ap.add_argument("--reduce", default="mean", choices=["mean", "max"], help="SpecPV retrieval_reduce")
     ap.add_argument("--window-blocks", type=int, default=8, help="SpecPV n_window_blocks")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
@@ -623,6 +630,7 @@ def main() -> int:
         "threshold": args.threshold,
         "refresh": args.refresh,
         "retrieval_refresh": args.retrieval_refresh,
+        "query_window": args.query_window,
         "reduce": args.reduce,
         "window_blocks": args.window_blocks,
         "budget": args.budget,

@@ -43,7 +43,18 @@ from long_context import _first_function, _stdlib_files, build_prompt  # noqa: E
 from specsplit.engine_common import ModelRunner  # noqa: E402
 from specsplit.kv_cache import StaticKVCache  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
-from specsplit.partial_kv import RECORDER_KWARG, QueryRecorder, SpecPVConfig  # noqa: E402
+from specsplit.partial_kv import (  # noqa: E402
+    RECORDER_KWARG,
+    SPECPV_ATTENTION,
+    PartialSession,
+    QueryRecorder,
+    SpecPVConfig,
+    block_token_index,
+    gather_tokens,
+    score_blocks,
+    select_blocks,
+    specpv_attention,
+)
 from specsplit.specpv import PartialVerifier  # noqa: E402
 from specsplit.tree import TokenTree  # noqa: E402
 from specsplit.tree_attention import build_verify_attention, chain_parents  # noqa: E402
@@ -76,7 +87,24 @@ def reference(
 ) -> tuple[list[int], StaticKVCache]:
     """Greedy continuation (one token per forward) and the prompt's prefilled cache; cached on disk."""
     cache = StaticKVCache(runner.num_layers, len(prompt) + n_new + 64)
-    last = prefill(runner, prompt, cache)
+    kv_path = path.with_suffix(".kv.pt")
+    last = None
+    if kv_path.exists():  # the prefilled prompt cache (minutes on CPU at 8K): reuse it
+        saved_kv = torch.load(kv_path)
+        if saved_kv["prompt"] == prompt:
+            for i, (k, v) in enumerate(saved_kv["kv"]):
+                cache.append(i, k, v)
+            last = saved_kv["last"]
+    if last is None:
+        last = prefill(runner, prompt, cache)
+        torch.save(
+            {
+                "prompt": prompt,
+                "last": last,
+                "kv": [cache.get_kv_for_layer(i) for i in range(len(cache.layers))],
+            },
+            kv_path,
+        )
     if path.exists():
         saved = torch.load(path)
         if saved["prompt"] == prompt and len(saved["ref"]) >= n_new:
@@ -174,8 +202,258 @@ def check_view(pvs: Any, state: Any, exact: StaticKVCache, tol: float = 1e-4) ->
     return res
 
 
+# ---------------------------------------------------------------------- first-divergence diagnosis
+def _capture_attention(runner: ModelRunner, fn: Any) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Run ``fn()`` with every layer's (query, key, value) as the attention function saw them."""
+    from transformers import AttentionInterface
+
+    got: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def capture(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kw: Any) -> Any:
+        got[int(module.layer_idx)] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
+        return specpv_attention(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(SPECPV_ATTENTION, capture)
+    try:
+        fn()
+    finally:
+        AttentionInterface.register(SPECPV_ATTENTION, specpv_attention)
+    return got
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of `[1, H, nq, D]` chain queries over ``n_prefix`` visible keys + themselves
+    (causal); returns (output `[1, H, nq, D]`, probabilities `[1, H, nq, kv]`)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    nq = q.shape[2]
+    s = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    own = torch.ones(nq, nq, dtype=torch.bool).tril()
+    allowed = torch.cat([torch.ones(nq, n_prefix, dtype=torch.bool), own], 1)
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = s.softmax(-1)
+    return p @ v, p
+
+
+def _quest_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Quest's per-channel upper bound ``sum_d max(q_d Kmax_d, q_d Kmin_d)`` (vs the policy's
+    ``max(q . Kmax, q . Kmin)``), reduced like :func:`score_blocks`: `[B, kvH, C]`."""
+    b, h, nq, d = q.shape
+    kvh, c = kmax.shape[1], kmax.shape[2]
+    g = h // kvh
+    qq = q.float().reshape(b, kvh, g * nq, 1, d)
+    s = torch.maximum(qq * kmax.float()[:, :, None], qq * kmin.float()[:, :, None]).sum(-1)  # [B,kvH,G*nq,C]
+    s = s.view(b, kvh, g, nq, c)
+    return s.amax(dim=(2, 3)) if reduce == "max" else s.mean(dim=(2, 3))
+
+
+def _block_mass(
+    q: torch.Tensor, keys: torch.Tensor, full_len: int, bs: int, first: int, last: int
+) -> torch.Tensor:
+    """Exact attention mass of the queries (over the full prefix, softmax over ``full_len`` keys
+    only) on candidate blocks ``first..last``, summed over queries and GQA group heads: `[1, kvH, C]`."""
+    g = q.shape[1] // keys.shape[1]
+    k = keys[:, :, :full_len].float().repeat_interleave(g, 1)
+    p = ((q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5).softmax(-1)  # [1, H, nq, L]
+    m = p[..., first * bs : last * bs].unflatten(-1, (last - first, bs)).sum(-1)  # [1, H, nq, C]
+    return m.sum(2).unflatten(1, (keys.shape[1], g)).sum(2)
+
+
+def diagnose(
+    runner: ModelRunner,
+    pvs: PartialSession,
+    full: StaticKVCache,
+    exact: StaticKVCache,
+    ids: list[int],
+    tree: TokenTree,
+    plen: int,
+    row: int,
+    target: int,
+    exact_q: dict[int, torch.Tensor],
+    seed_sel: list[torch.Tensor] | None,
+    prev_q: dict[int, torch.Tensor] | None,
+) -> dict[str, Any]:
+    """At the first divergent partial round: (a) per-layer attention error of the view vs the full
+    cache for the SAME (partial-forward) queries, (b) oracle retrieval (top blocks by exact attention
+    mass of the current queries) and other selections, re-run end to end at the same budget, (c)
+    the view's rows against the full cache (key/value equality at the claimed positions)."""
+    cfg, lay, view = pvs.cfg, pvs.layout, pvs.view
+    assert lay is not None and view is not None
+    bs, k = cfg.block_size, lay.retrieved_blocks
+    first, last = cfg.n_sink_blocks, lay.window_start // bs
+    lo, hi = lay.sink, lay.sink + k * bs
+    n_back = plen - lay.view_len
+    logical = lay.full_len + n_back
+    n_layers = len(full.layers)
+    p = 1
+    mask, pos = build_verify_attention(tree.parents, plen, p, runner.dtype)
+    pos = pos + (logical - plen)
+    x = torch.tensor([ids])
+    n = tree.num_nodes
+
+    def fwd(blocks: list[torch.Tensor] | None, exact_buffer: bool = False) -> tuple[torch.Tensor, dict]:
+        v = copy.deepcopy(view)
+        v.rollback(plen)
+        for i in range(n_layers):
+            fl, vl = full.layers[i], v.layers[i]
+            if blocks is not None:
+                idx = block_token_index(blocks[i], bs)
+                vl.keys[:, :, lo:hi] = gather_tokens(fl.keys, idx)
+                vl.values[:, :, lo:hi] = gather_tokens(fl.values, idx)
+            if exact_buffer and n_back:
+                el = exact.layers[i]
+                vl.keys[:, :, lay.view_len : plen] = el.keys[:, :, lay.full_len : logical]
+                vl.values[:, :, lay.view_len : plen] = el.values[:, :, lay.full_len : logical]
+        out: dict[str, torch.Tensor] = {}
+
+        def go() -> None:
+            out["logits"] = runner.forward(x, pos, mask, v, logits_to_keep=n + 1)
+
+        cap = _capture_attention(runner, go)
+        return out["logits"], cap
+
+    def verdict(lg: torch.Tensor) -> dict[str, Any]:
+        r = lg[row].float()
+        return {
+            "top1_ok": int(r.argmax()) == target,
+            "rank_ref": int((r > r[target]).sum()) + 1,
+            "gap_top_minus_ref": round(float(r.max() - r[target]), 3),
+        }
+
+    res: dict[str, Any] = {"row": row, "plen": plen, "backlog": n_back, "full_len": lay.full_len, "k": k}
+    # (c) contents: every retrieved/sink/window key and value equals the full cache row it claims
+    worst = 0.0
+    for i in range(n_layers):
+        fl, vl = full.layers[i], view.layers[i]
+        idx = torch.cat(
+            [
+                torch.arange(lay.sink).expand(1, fl.keys.shape[1], -1),
+                block_token_index(pvs.selected[i], bs),
+                torch.arange(lay.window_start, lay.full_len).expand(1, fl.keys.shape[1], -1),
+            ],
+            -1,
+        )
+        for a, b in ((vl.keys, fl.keys), (vl.values, fl.values)):
+            worst = max(worst, (a[:, :, : lay.view_len] - gather_tokens(b, idx)).abs().max().item())
+        assert (idx[..., 1:] > idx[..., :-1]).all(), "view rows not strictly increasing positions"
+    res["c_view_rows_max_abs_diff"] = worst
+    # queries at their true positions: layer 0's query rows of the partial forward equal the exact ones
+    logits_now, cap = fwd(None)
+    res["c_layer0_query_max_abs_diff"] = (cap[0][0].float() - exact_q[0].float()).abs().max().item()
+    res["c_layer0_buffer_key_max_abs_diff"] = (
+        (
+            cap[0][1][:, :, lay.view_len :].float()
+            - exact.layers[0].keys[:, :, lay.full_len : logical + len(ids)].float()
+        )
+        .abs()
+        .max()
+        .item()
+    )
+    res["current"] = verdict(logits_now)
+    # selections to compare
+    sels: dict[str, list[torch.Tensor]] = {"current": list(pvs.selected)}
+    if seed_sel is not None:
+        sels["seed_view(no_reselect)"] = seed_sel
+    orc, orc_partial_q, pol_exact_q, quest_exact_q, quest_prev_q, max_prev_q = [], [], [], [], [], []
+    for i in range(n_layers):
+        km = pvs.summaries.kmax[i][:, :, first:last]
+        kn = pvs.summaries.kmin[i][:, :, first:last]
+        mass = _block_mass(exact_q[i], exact.layers[i].keys, lay.full_len, bs, first, last)
+        orc.append(select_blocks(mass, k, first))
+        mass_p = _block_mass(cap[i][0], full.layers[i].keys, lay.full_len, bs, first, last)
+        orc_partial_q.append(select_blocks(mass_p, k, first))
+        pol_exact_q.append(select_blocks(score_blocks(exact_q[i], km, kn, cfg.retrieval_reduce), k, first))
+        quest_exact_q.append(select_blocks(_quest_scores(exact_q[i], km, kn, cfg.retrieval_reduce), k, first))
+        if prev_q is not None:
+            quest_prev_q.append(
+                select_blocks(_quest_scores(prev_q[i], km, kn, cfg.retrieval_reduce), k, first)
+            )
+            max_prev_q.append(select_blocks(score_blocks(prev_q[i], km, kn, "max"), k, first))
+    sels["oracle(exact_q)"] = orc
+    sels["oracle(partial_q)"] = orc_partial_q
+    sels["policy(exact_current_q)"] = pol_exact_q
+    sels["quest(exact_current_q)"] = quest_exact_q
+    if prev_q is not None:
+        sels["quest(prev_committed_q)"] = quest_prev_q
+        sels["policy_max(prev_committed_q)"] = max_prev_q
+    # (a) per layer, for the SAME partial-forward queries: attention output error of each selection
+    # vs the full cache (+ the same buffer), and the share of oracle mass each selection captures
+    per: dict[str, dict[str, Any]] = {}
+    for name, blocks in sels.items():
+        rel, miss, recall = [], [], []
+        for i in range(n_layers):
+            q, kv_k, kv_v = cap[i]
+            buf_k, buf_v = kv_k[:, :, lay.view_len :], kv_v[:, :, lay.view_len :]  # backlog + this round
+            fk, fv = full.layers[i].keys[:, :, : lay.full_len], full.layers[i].values[:, :, : lay.full_len]
+            o_full, p_full = _attend(q, torch.cat([fk, buf_k], 2), torch.cat([fv, buf_v], 2), logical)
+            idx = torch.cat(
+                [
+                    torch.arange(lay.sink).expand(1, fk.shape[1], -1),
+                    block_token_index(blocks[i], bs),
+                    torch.arange(lay.window_start, lay.full_len).expand(1, fk.shape[1], -1),
+                ],
+                -1,
+            )
+            vk = torch.cat([gather_tokens(fk, idx), buf_k], 2)
+            vv = torch.cat([gather_tokens(fv, idx), buf_v], 2)
+            o_view, _ = _attend(q, vk, vv, lay.view_len + n_back)
+            a, b = o_view[:, :, row], o_full[:, :, row]
+            rel.append(((a - b).norm() / b.norm()).item())
+            g = q.shape[1] // fk.shape[1]
+            ins = torch.zeros(1, fk.shape[1], logical + q.shape[2], dtype=torch.bool)
+            ins.scatter_(2, idx, True)
+            ins[:, :, lay.full_len :] = True
+            ins_h = ins.repeat_interleave(g, 1)
+            miss.append((p_full[:, :, row] * (~ins_h)).sum(-1).mean().item())
+            mass = _block_mass(q, fk, lay.full_len, bs, first, last)  # [1, kvH, C]
+            top = mass.topk(k, -1).values.sum(-1)
+            got = mass.gather(-1, blocks[i] - first).sum(-1)
+            recall.append((got / top).mean().item())
+        per[name] = {
+            "attn_rel_err_mean": round(sum(rel) / n_layers, 4),
+            "attn_rel_err_max": round(max(rel), 4),
+            "worst_layers": sorted(range(n_layers), key=lambda i: -rel[i])[:4],
+            "missed_mass_mean": round(sum(miss) / n_layers, 4),
+            "oracle_mass_recall": round(sum(recall) / n_layers, 4),
+            "overlap_with_current": round(
+                sum(
+                    (blocks[i][..., :, None] == pvs.selected[i][..., None, :]).any(-1).float().mean().item()
+                    for i in range(n_layers)
+                )
+                / n_layers,
+                3,
+            ),
+        }
+    res["a_per_selection"] = per
+    # (b) end to end: the same round re-run at the same budget with each selection
+    res["b_logits"] = {name: verdict(fwd(blocks)[0]) for name, blocks in sels.items()}
+    res["b_logits"]["current+exact_buffer"] = verdict(fwd(None, exact_buffer=True)[0])
+    res["b_logits"]["oracle(exact_q)+exact_buffer"] = verdict(fwd(orc, exact_buffer=True)[0])
+    return res
+
+
+_orig_reselect = PartialSession.reselect
+
+
+def _reselect_remembering(
+    self: PartialSession, cache: StaticKVCache, queries: dict[int, torch.Tensor]
+) -> bool:
+    self._diag_prev_q = queries  # type: ignore[attr-defined]
+    return _orig_reselect(self, cache, queries)
+
+
+PartialSession.reselect = _reselect_remembering  # type: ignore[method-assign]
+
+
 def run(
-    args: argparse.Namespace, runner: ModelRunner, prompt: list[int], ref: list[int], base: StaticKVCache
+    args: argparse.Namespace,
+    runner: ModelRunner,
+    prompt: list[int],
+    ref: list[int],
+    base: StaticKVCache,
+    replay: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     cfg = pv_config(args)
     pv = PartialVerifier(cfg, runner)
@@ -189,28 +467,80 @@ def run(
     steps: list[dict[str, Any]] = []
     first_bad = None
     t_part = 0.0
-    while j + 1 + d < len(ref):
-        pending, chain = [ref[j]], ref[j + 1 : j + 1 + d]
+    diag: dict[str, Any] | None = None
+    seed_sel: list[torch.Tensor] | None = None
+    plan = iter(replay or [])
+    while True:
+        if replay is None:
+            if j + 1 + d >= len(ref):
+                break
+            pending, chain, m = [ref[j]], ref[j + 1 : j + 1 + d], d
+        else:  # a logged free run: its trees and acceptance, up to its split from the reference
+            rd = next(plan, None)
+            if rd is None or rd["pending"] != [ref[j]] or j + 1 + len(rd["nodes"]) >= len(ref):
+                break
+            pending, chain, m = rd["pending"], rd["tree"], len(rd["nodes"])
+            assert rd["parents"] == list(range(-1, len(chain) - 1)), "replay supports chain trees"
+            assert rd["nodes"] == list(range(m))
         tree = chain_tree(chain)
+        n_rows = m + 1  # rows whose prefix is the reference: pending + the accepted chain prefix
         # exact logits of the same forward, with the tree's queries for the missed-mass metric
-        rec = QueryRecorder(rows=d + 1)
-        mask, pos = build_verify_attention(tree.parents, exact.seq_len, 1)
+        rec = QueryRecorder(rows=len(chain) + 1)
+        ex_len = exact.seq_len
+        mask, pos = build_verify_attention(tree.parents, ex_len, 1)
         ex_logits = runner.forward(
-            torch.tensor([pending + chain]), pos, mask, exact, logits_to_keep=d + 1, **{RECORDER_KWARG: rec}
+            torch.tensor([pending + chain]),
+            pos,
+            mask,
+            exact,
+            logits_to_keep=len(chain) + 1,
+            **{RECORDER_KWARG: rec},
         )
+        exact.rollback(ex_len + 1 + m)
         pvs_before = state.pv
         layout_before = pvs_before.layout if pvs_before is not None else None
         t = time.perf_counter()
         step = pv.forward(state, pending, tree)
         dt = time.perf_counter() - t
+        targets = ref[j + 1 : j + 1 + n_rows]
+        if (
+            args.diagnose
+            and diag is None
+            and step.partial
+            and any(int(step.logits[r].argmax()) != targets[r] for r in range(n_rows))
+        ):
+            r_bad = next(r for r in range(n_rows) if int(step.logits[r].argmax()) != targets[r])
+            diag = diagnose(
+                runner,
+                state.pv,
+                state.cache,
+                exact,
+                pending + chain,
+                tree,
+                step.base - 1,
+                r_bad,
+                targets[r_bad],
+                rec.queries,
+                seed_sel,
+                getattr(state.pv, "_diag_prev_q", None),
+            )
+            diag["pos"] = j + 1 + r_bad
+            diag["step_logits"] = {
+                "rank_ref": int((step.logits[r_bad] > step.logits[r_bad][targets[r_bad]]).sum()) + 1,
+                "gap_top_minus_ref": round(
+                    float(step.logits[r_bad].max() - step.logits[r_bad][targets[r_bad]]), 3
+                ),
+            }
+            print("DIAGNOSIS", json.dumps(diag, indent=1), flush=True)
         mm = None
         if step.partial and layout_before is not None and args.missed_mass:
             mm = missed_mass(rec.queries, exact, state.pv, group, exact.seq_len)
         if step.partial:
             t_part += dt
-        pv.commit(state, step, list(range(d)), chain)
-        targets = ref[j + 1 : j + 2 + d]
-        for r in range(d + 1):
+        pv.commit(state, step, list(range(m)), chain[:m])
+        if not step.partial and state.pv.ready:
+            seed_sel = [b.clone() for b in state.pv.selected] if state.pv.selected else None
+        for r in range(n_rows):
             pt, et = int(step.logits[r].argmax()), int(ex_logits[r].argmax())
             row = {
                 "pos": j + 1 + r,
@@ -232,12 +562,13 @@ def run(
                 "since_refresh": state.pv.steps_since_refresh,
                 "backlog": len(state.pv.backlog),
                 "missed_mass": mm,
-                "bad_rows": sum(not r["ok"] for r in rows[-(d + 1) :]),
-                "kl_max": max(r["kl"] for r in rows[-(d + 1) :]),
+                "accepted": m,
+                "bad_rows": sum(not r["ok"] for r in rows[-n_rows:]),
+                "kl_max": max(r["kl"] for r in rows[-n_rows:]),
                 **{f"inv_{k}": v for k, v in inv.items()},
             }
         )
-        j += d + 1
+        j += 1 + m
     part = [r for r in rows if r["partial"]]
     mms = [s["missed_mass"] for s in steps if s["missed_mass"] is not None]
     return {
@@ -253,6 +584,7 @@ def run(
         "partial_s": t_part,
         "steps": steps,
         "row_detail": rows,
+        "diagnosis": diag,
     }
 
 
@@ -274,6 +606,7 @@ def pv_config(args: argparse.Namespace) -> SpecPVConfig:
         partial_threshold=args.threshold,
         full_refresh_interval=args.refresh,
         retrieval_reduce=args.reduce,
+        retrieval_query_window=args.query_window,
         **extra,
     )
 
@@ -291,14 +624,27 @@ def main() -> int:
     ap.add_argument("--threshold", type=int, default=2048)
     ap.add_argument("--refresh", type=int, default=32)
     ap.add_argument("--reduce", default="mean", choices=["mean", "max"])
+    ap.add_argument("--query-window", type=int, default=0, help="SpecPV retrieval_query_window")
     ap.add_argument("--retrieval-refresh", type=int, default=None)
     ap.add_argument("--missed-mass", action="store_true")
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="at the first divergent partial round: attention error per layer, oracle and other "
+        "retrievals re-run at the same budget, view rows vs the full cache",
+    )
     ap.add_argument(
         "--sweep",
         default=None,
         help='JSON list of option overrides run after ONE prefill, e.g. \'[{"refresh": 8}, {"reduce": "max"}]\'',
     )
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--replay",
+        default=None,
+        help="a specpv_free_run.py log: replay its rounds (trees, acceptance) instead of teacher-forced "
+        "chains; the run whose retrieval_refresh equals --retrieval-refresh (or the first)",
+    )
     ap.add_argument("--prime", action="store_true", help="append the function's first line to the prompt")
     ap.add_argument("--json", default=None, help="write the full result here")
     ap.add_argument("--verbose", action="store_true")
@@ -327,7 +673,12 @@ def main() -> int:
     for over in json.loads(args.sweep) if args.sweep else [{}]:
         a = argparse.Namespace(**{**vars(args), **over})
         t = time.perf_counter()
-        res = run(a, runner, prompt, ref, base)
+        replay = None
+        if a.replay:
+            runs = json.loads(Path(a.replay).read_text())["runs"]
+            pick = [r for r in runs if r["retrieval_refresh"] == (a.retrieval_refresh or 0)] or runs
+            replay = pick[0]["rounds"]
+        res = run(a, runner, prompt, ref, base, replay)
         res["task"], res["overrides"], res["wall_s"] = task, over, time.perf_counter() - t
         if args.verbose:
             for s in res["steps"]:

@@ -66,6 +66,11 @@ class SpecPVConfig:
             from the block summaries, scored with the post-RoPE queries of the step's committed
             tokens (pending + accepted path); no full forward, the window and buffer stay. ``0``
             (default): the retrieval changes only at full verifications.
+        retrieval_query_window: with ``retrieval_refresh_interval``, score each re-selection with
+            the queries of the last this many committed tokens since the view was built (the
+            step's own rows and earlier partial steps' rows), not only the step's own ``pending +
+            accepted`` rows. ``0`` (default): the step's own rows only. A few rows of the last
+            step are a noisy proxy for what the next tokens attend to; a longer window averages it.
     """
 
     enabled: bool = False
@@ -78,6 +83,7 @@ class SpecPVConfig:
     full_refresh_interval: int = 32
     retrieval_reduce: Literal["mean", "max"] = "mean"
     retrieval_refresh_interval: int = 0
+    retrieval_query_window: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -89,6 +95,7 @@ class SpecPVConfig:
             ("partial_threshold", 1),
             ("full_refresh_interval", 1),
             ("retrieval_refresh_interval", 0),
+            ("retrieval_query_window", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -390,6 +397,9 @@ class PartialSession:
         # every candidate fits or there are none)
         self.selected: list[torch.Tensor] = []
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # reselect's stacked summaries
+        # per layer: `[B, H, <= retrieval_query_window, D]` committed rows' queries since the view was
+        # built (only with retrieval_query_window)
+        self.query_history: dict[int, torch.Tensor] = {}
 
     @property
     def ready(self) -> bool:
@@ -435,6 +445,7 @@ class PartialSession:
                 falls back to full verification.
         """
         self.invalidate()
+        self.query_history = {}
         cfg = self.cfg
         layout, n_cand = plan_layout(cfg, cache.seq_len)
         k, bs = layout.retrieved_blocks, cfg.block_size

@@ -325,6 +325,14 @@ class PartialVerifier:
                 if q.device not in on_dev:
                     on_dev[q.device] = h2d(rows, q.device)
                 queries[i] = q.index_select(2, on_dev[q.device])
+        window = self.config.retrieval_query_window
+        if window:  # score with the last `window` committed rows, not only this step's
+            hist = pvs.query_history
+            queries = {
+                i: (torch.cat([hist[i], q], dim=2) if i in hist else q)[:, :, -window:]
+                for i, q in queries.items()
+            }
+            pvs.query_history = queries
         try:
             done = pvs.reselect(cache, queries)
         except Exception as e:  # noqa: BLE001 - the round is verified; the next one runs in full

@@ -472,6 +472,51 @@ def test_retrieval_refresh_between_full_verifications(llama_pair, prompt, tree, 
         assert any(moved)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_retrieval_query_window_scores_with_recent_committed_rows(llama_pair, prompt, monkeypatch, window):
+    """retrieval_query_window: each re-selection is scored with the last `window` committed rows
+    since the view was built (this step's rows last); 0: this step's pending + accepted rows only."""
+    target, draft = llama_pair
+    calls = []
+    orig = PartialSession.reselect
+
+    def spy(self, cache, queries):
+        calls.append((self.steps_since_refresh, {i: q.clone() for i, q in queries.items()}))
+        return orig(self, cache, queries)
+
+    monkeypatch.setattr(PartialSession, "reselect", spy)
+    pv = _pv(
+        n_retrieval_blocks=4,
+        full_refresh_interval=4,
+        retrieval_refresh_interval=1,
+        retrieval_query_window=window,
+    )
+    out, _, te, _ = _run(target, draft, prompt, pv, tree=CHAIN, new=40)
+    assert te.specpv_stats.fallbacks == 0 and len(calls) == te.specpv_stats.reselections > 4
+    max_own = 1 + CHAIN.num_draft_tokens  # pending + the accepted chain
+    capped = False
+    for (since_prev, prev), (since, cur) in zip(calls, calls[1:], strict=False):
+        rows = cur[0].shape[2]
+        assert all(q.shape[2] == rows for q in cur.values())
+        if not window or since == 1:  # fresh view (history reset by the full verification)
+            assert 1 <= rows <= max_own
+            continue
+        assert since == since_prev + 1 and rows <= window
+        capped |= rows == window
+        # the previous call's rows (its trailing ones) lead this call's; this step's own rows follow
+        n_prev = prev[0].shape[2]
+        ok = [
+            own
+            for own in range(1, max_own + 1)
+            if rows == min(window, n_prev + own)
+            and all(
+                torch.equal(cur[i][:, :, : rows - own], prev[i][:, :, n_prev - (rows - own) :]) for i in cur
+            )
+        ]
+        assert ok, (since, rows, n_prev)
+    assert capped or not window
+
+
 def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):
     target, draft = llama_pair
     ref, _, _, _ = _run(target, draft, prompt, None, new=40)
