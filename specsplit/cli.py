@@ -31,6 +31,21 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-device", default=None)
     p.add_argument("--target-device", default=None)
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay fixed-shape draft steps and verification from CUDA graphs (GPU; eager elsewhere)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --cuda-graphs: fuse those steps with torch.compile first (slow first rounds)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="draft the next round while this one verifies (pays with the models on two GPUs)",
+    )
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
@@ -43,6 +58,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.config import SpecSplitConfig
+    from specsplit.errors import ConfigError
     from specsplit.generator import SpecSplitGenerator
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -51,6 +67,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg.tree.shape = args.tree
     if args.num_draft_tokens is not None:
         cfg.tree.num_draft_tokens = args.num_draft_tokens
+    if args.compile and not args.cuda_graphs:
+        raise ConfigError("--compile fuses the CUDA-graph steps: add --cuda-graphs")
     for attr in ("draft", "target"):
         sec = getattr(cfg, attr)
         dev = getattr(args, f"{attr}_device") or args.device
@@ -58,6 +76,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sec.device = dev
         if args.dtype:
             sec.dtype = args.dtype
+        if args.cuda_graphs:
+            sec.cuda_graphs = True
+        if args.compile:
+            sec.compile = True
+    if args.overlap:
+        cfg.overlap = True
     target = args.target or cfg.target.model or DEFAULT_TARGET
     draft = args.draft or cfg.draft.model or (DEFAULT_DRAFT if cfg.transport == "local" else None)
     gen = SpecSplitGenerator.from_pretrained(target=target, draft=draft, config=cfg)

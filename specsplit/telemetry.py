@@ -100,6 +100,7 @@ class SpecStats:
             "mean_transport_s": sum(r.transport_s for r in self.rounds) / n,
             "recoveries": self.recoveries,
             "draft_fallback": self.draft_fallback,
+            "spec_rounds": self.spec_rounds,
             "overlap_hit_rate": self.spec_hits / self.spec_rounds if self.spec_rounds else None,
         }
 

@@ -49,3 +49,28 @@ def test_generate_cli_reports_errors(model_dirs, capsys):
     )
     assert rc == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_generate_cli_static_path_and_overlap(model_dirs, llama_target, capsys):
+    """--cuda-graphs (the static workspace path; eager on CPU) and --overlap keep HF's output."""
+    prompt_ids = [9, 4, 41, 7]
+    prompt = " ".join(word(i) for i in prompt_ids)
+    rc = main([
+        "generate", prompt, "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+        "--raw", "--max-new-tokens", "16", "--tree", "dynamic", "--json", "--device", "cpu",
+        "--cuda-graphs", "--overlap",
+    ])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = llama_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, 4:]
+    assert out["text"] == word_tokenizer().decode(ref.tolist(), skip_special_tokens=True)
+    assert out["stats"]["spec_rounds"] >= 1  # the overlapped pipeline ran (adaptive: probes speculate)
+
+
+def test_generate_cli_compile_needs_cuda_graphs(model_dirs, capsys):
+    rc = main([
+        "generate", "xaa", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+        "--raw", "--compile",
+    ])  # fmt: skip
+    assert rc == 2
+    assert "--cuda-graphs" in capsys.readouterr().err
