@@ -393,6 +393,7 @@ def pv_config(budget: int, args: argparse.Namespace, refresh: int | None = None)
         retrieval_reduce=args.reduce,
         retrieval_refresh_interval=args.retrieval_refresh,
         retrieval_query_window=args.query_window,
+        rectify_margin=args.rectify_margin,
     )
 
 
@@ -411,13 +412,15 @@ def write_markdown(
 
     def line(r: dict[str, Any]) -> str:
         st = r.get("step") or {}
+        n_rect = (r.get("specpv") or {}).get("rectifications") or 0
+        rect = f" ({n_rect} rectified)" if n_rect else ""
         paired = f"{f(st.get('full_ms'))} / {f(st.get('partial_ms'))}" if st else "-"
         return (
             f"| {r['context']} | {r['mode']} | {r['budget'] or '-'} | {f(r['verify_partial_ms'])} / "
             f"{f(r['verify_full_ms'])} | {paired} | {f(st.get('speedup'), '.2f')} | "
             f"{f(r['tokens_per_s'], '.2f')} | {f(r.get('e2e_speedup'), '.2f')} | {r['tau']:.2f} | "
             f"{f(r.get('agreement'), '.3f')} | {r.get('common_prefix', '-')} | "
-            f"{r['partial_steps']}/{r['full_steps']} |"
+            f"{r['partial_steps']}/{r['full_steps']}{rect} |"
         )
 
     lines = [
@@ -427,7 +430,8 @@ def write_markdown(
         f"tree `{meta['tree']}`, greedy, {meta['new_tokens']} generated tokens per run, prompt kind "
         f"`{meta['prompt_kind']}` ({meta['task']}). SpecPV: threshold {meta['threshold']}, refresh every "
         f"{meta['refresh']} partial steps, retrieval re-selected every {meta.get('retrieval_refresh') or '-'} "
-        f"partial steps (query window {meta.get('query_window') or '-'}), reduce `{meta.get('reduce', 'mean')}`, window {meta.get('window_blocks', 8)} blocks, "
+        f"partial steps (query window {meta.get('query_window') or '-'}), rectify margin "
+        f"{meta.get('rectify_margin') or '-'}, reduce `{meta.get('reduce', 'mean')}`, window {meta.get('window_blocks', 8)} blocks, "
         f"main budget {meta['budget']} tokens. Torch threads: "
         f"{meta['threads']}.",
         "",
@@ -563,6 +567,12 @@ def main() -> int:
         default=0,
         help="SpecPV retrieval_query_window: score re-selections with the last N committed tokens' queries",
     )
+    ap.add_argument(
+        "--rectify-margin",
+        type=float,
+        default=0.0,
+        help="SpecPV rectify_margin: verify in full when a partial step decides a token by a smaller logit gap",
+    )
     ap.add_argument("--reduce", default="mean", choices=["mean", "max"], help="SpecPV retrieval_reduce")
     ap.add_argument("--window-blocks", type=int, default=8, help="SpecPV n_window_blocks")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
@@ -631,6 +641,7 @@ def main() -> int:
         "refresh": args.refresh,
         "retrieval_refresh": args.retrieval_refresh,
         "query_window": args.query_window,
+        "rectify_margin": args.rectify_margin,
         "reduce": args.reduce,
         "window_blocks": args.window_blocks,
         "budget": args.budget,

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 from specsplit.bench_decoders import (
+    ALL_DECODERS,
     ASSISTED,
     BASELINE,
     DECODERS,
+    OPTIONAL_DECODERS,
     PROMPT_LOOKUP_TOKENS,
     DecodeOutput,
     Decoder,
@@ -256,9 +258,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     suite = SUITES[opts.suite]
     max_new = opts.max_new_tokens or suite.max_new_tokens
     repeats = opts.repeats or suite.repeats
-    unknown = set(opts.decoders) - set(DECODERS)
+    unknown = set(opts.decoders) - set(ALL_DECODERS)
     if unknown:
-        raise ValueError(f"unknown decoders {sorted(unknown)}; choose from {', '.join(DECODERS)}")
+        raise ValueError(f"unknown decoders {sorted(unknown)}; choose from {', '.join(ALL_DECODERS)}")
     old_threads = torch.get_num_threads()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -438,7 +440,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompts-per-category", type=int, default=None, help="override the suite's prompt count")
     p.add_argument(
-        "--decoders", default=",".join(DECODERS), help=f"comma-separated subset of {','.join(DECODERS)}"
+        "--decoders",
+        default=",".join(DECODERS),
+        help=f"comma-separated subset of {','.join(DECODERS)} (the default), plus the optional "
+        f"{','.join(OPTIONAL_DECODERS)} (CUDA graphs fused by torch.compile, beside the plain ones)",
     )
     p.add_argument(
         "--num-draft-tokens", type=int, default=4, help="K for hf-assisted and the SpecSplit chain"

@@ -45,6 +45,11 @@ DECODERS = (
     "specsplit-overlap-dynamic",
     "specsplit-grpc",
 )
+# Selectable, not run by default: the same engines with their CUDA-graph steps fused by torch.compile
+# (compiling takes minutes, on CPU too), to time compiled against plain graphs side by side in one run.
+OPTIONAL_DECODERS = ("specsplit-target-only-compiled", "specsplit-dynamic-compiled")
+ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
+COMPILED_SUFFIX = "-compiled"
 BASELINE, ASSISTED = "hf-target", "hf-assisted"
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -102,6 +107,7 @@ class Decoder:
     label: str
     run: Callable[[torch.Tensor, int], DecodeOutput]
     close: Callable[[], None] = lambda: None
+    config: Any = None  # the SpecSplitConfig of a local SpecSplit decoder
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -302,7 +308,7 @@ def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: C
         new = out.sequences[0, ids.shape[1] :].tolist()
         return DecodeOutput(new, [(r.drafted_depth, r.accepted) for r in rs], split)
 
-    return Decoder(name, label, run, close)
+    return Decoder(name, label, run, close, config=getattr(gen, "config", None))
 
 
 def _grpc_decoder(
@@ -420,13 +426,19 @@ def build_decoders(
     if cuda_graphs or compile:
         extra = ", ".join(x for x, on in (("CUDA graphs", cuda_graphs), ("torch.compile", compile)) if on)
         labels = {n: (f"{v}, {extra}" if n.startswith("specsplit") else v) for n, v in labels.items()}
+    for name in OPTIONAL_DECODERS:
+        base = (
+            labels[name.removesuffix(COMPILED_SUFFIX)].split(", CUDA graphs")[0].split(", torch.compile")[0]
+        )
+        labels[name] = f"{base}, CUDA graphs fused by torch.compile"
     decoders: list[Decoder] = []
     skipped: dict[str, str] = {}
     try:
-        for name in DECODERS:
+        for name in ALL_DECODERS:
             if name not in names:
                 continue
-            if m.draft is None and name not in ("hf-target", "hf-prompt-lookup", "specsplit-target-only"):
+            base = name.removesuffix(COMPILED_SUFFIX)
+            if m.draft is None and base not in ("hf-target", "hf-prompt-lookup", "specsplit-target-only"):
                 skipped[name] = "no draft model"
                 continue
             if name == "hf-target":
@@ -445,14 +457,16 @@ def build_decoders(
                 else:
                     decoders.append(dec)
             else:
-                draft = None if name == "specsplit-target-only" else m.draft
+                fused = base != name  # an OPTIONAL_DECODERS entry: graphs + compile whatever the flags
+                draft = None if base == "specsplit-target-only" else m.draft
                 if name.startswith("specsplit-overlap") and m.overlap_draft is not None:
                     draft = m.overlap_draft
+                graphs, fuse = cuda_graphs or fused, compile or fused
                 cfg = SpecSplitConfig(
-                    tree=copy.deepcopy(trees.get(name, trees["specsplit-chain"])),
+                    tree=copy.deepcopy(trees.get(base, trees["specsplit-chain"])),
                     sync_timing=sync,
-                    draft=DraftConfig(cuda_graphs=cuda_graphs, compile=compile),
-                    target=TargetConfig(cuda_graphs=cuda_graphs, compile=compile),
+                    draft=DraftConfig(cuda_graphs=graphs, compile=fuse),
+                    target=TargetConfig(cuda_graphs=graphs, compile=fuse),
                     overlap=name.startswith("specsplit-overlap"),
                 )
                 gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)

@@ -71,6 +71,12 @@ class SpecPVConfig:
             step's own rows and earlier partial steps' rows), not only the step's own ``pending +
             accepted`` rows. ``0`` (default): the step's own rows only. A few rows of the last
             step are a noisy proxy for what the next tokens attend to; a longer window averages it.
+        rectify_margin: greedy only. When a partial step's logits decide a committed token (an
+            accepted one or the round's next token) by a top-1 over top-2 margin below this many
+            logits, the step is discarded and the round is verified in full (a *rectification*):
+            the partial view perturbs logits slightly, which flips exactly such near-ties, and one
+            flipped token makes the rest of the output differ. ``0.0`` (default): off. Costs one
+            extra full forward per rectified round.
     """
 
     enabled: bool = False
@@ -84,6 +90,7 @@ class SpecPVConfig:
     retrieval_reduce: Literal["mean", "max"] = "mean"
     retrieval_refresh_interval: int = 0
     retrieval_query_window: int = 0
+    rectify_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -100,6 +107,9 @@ class SpecPVConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"specpv.{name} must be an integer >= {low}, got {value!r}")
+        m = self.rectify_margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0.0 <= m < float("inf"):
+            raise ConfigError(f"specpv.rectify_margin must be a finite number >= 0, got {m!r}")
         if self.retrieval_reduce not in ("mean", "max"):
             raise ConfigError(
                 f"specpv.retrieval_reduce must be 'mean' or 'max', got {self.retrieval_reduce!r}"

@@ -45,7 +45,7 @@ from specsplit.tree_attention import build_verify_attention
 logger = logging.getLogger(__name__)
 
 # Why a verification was full (or "partial").
-REASONS = ("unhooked", "below_threshold", "seed", "interval", "overflow", "fallback", "partial")
+REASONS = ("unhooked", "below_threshold", "seed", "interval", "overflow", "fallback", "rectify", "partial")
 _NO_RECORDING = ("unhooked", "below_threshold")
 
 
@@ -69,6 +69,8 @@ class SpecPVStats:
     refresh_s: float = 0.0
     reselections: int = 0  # retrieval re-selections between full verifications
     reselect_s: float = 0.0  # host time of those re-selections
+    rectifications: int = 0  # partial steps discarded for a near-tie and verified in full
+    rectify_discarded_s: float = 0.0  # time of those discarded partial steps
     full_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -244,6 +246,18 @@ class PartialVerifier:
             cache.rollback(length)
             raise
         return PVStep(False, reason, fed, length + f, logits, recorder, t0, len(pending))
+
+    def rectify(self, state: Any, step: PVStep, pending: list[int], tree: TokenTree) -> PVStep:
+        """Discard a partial ``step`` (its tree's KV leaves the speculative buffer) and verify the
+        same round in full (see ``SpecPVConfig.rectify_margin``)."""
+        pvs = self.session(state)
+        if not step.partial or pvs.view is None:
+            raise RuntimeError("only a partial step can be rectified")
+        pvs.view.rollback(step.base - step.num_pending)
+        with self._lock:
+            self.stats.rectifications += 1
+            self.stats.rectify_discarded_s += time.perf_counter() - step.t0
+        return self._full(state.cache, pvs, pending, tree, "rectify")
 
     def _ids(self, fed: list[int], tree: TokenTree) -> torch.Tensor:
         dev = tree.token_ids.device

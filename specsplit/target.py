@@ -305,7 +305,17 @@ class TargetEngine:
             outcome = verify_stochastic(probs, tree, max_depth, max_branch, gen)
         else:
             outcome = verify_greedy(logits, tree, max_depth, max_branch)
-        nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
+        margin = self._specpv.config.rectify_margin if self._specpv is not None else 0.0
+        if pv_step is not None and pv_step.partial and margin > 0 and not req.sampling.do_sample:
+            # SpecPV near-tie guard: the flag rides on the round's one host read.
+            flag = outcome.min_margin_below(logits, margin)
+            nodes, tokens, next_token = outcome.to_host(tree.token_ids, extra=flag)
+            if outcome.extra_host[0]:
+                pv_step = self._specpv.rectify(state, pv_step, pending, tree)  # type: ignore[union-attr]
+                outcome = verify_greedy(pv_step.logits, tree, max_depth, max_branch)
+                nodes, tokens, next_token = outcome.to_host(tree.token_ids)
+        else:
+            nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += (len(pv_step.fed) if pv_step is not None else p) + n
         stats.forwards += 1

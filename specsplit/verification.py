@@ -20,7 +20,7 @@ step per depth level); nothing here reads a value back to the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,20 +35,37 @@ class VerifyOutcome:
     path: torch.Tensor  # [D] int64 accepted node indices, -1 padded
     num_accepted: torch.Tensor  # [] int64
     next_token: torch.Tensor  # [] int64
+    extra_host: list[int] = field(default_factory=list)  # values read with to_host(extra=...)
 
-    def to_host(self, token_ids: torch.Tensor) -> tuple[list[int], list[int], int]:
+    def to_host(
+        self, token_ids: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> tuple[list[int], list[int], int]:
         """``(accepted node indices, accepted token ids, next token id)`` in ONE device-to-host copy.
 
         Args:
             token_ids: `[N]` the tree's tokens (to return the accepted ones without a second sync).
+            extra: `[k]` int64 values to read in the same copy; they land in :attr:`extra_host`.
         """
         d = self.path.shape[0]
         toks = token_ids[self.path.clamp_min(0)] if token_ids.numel() else self.path
-        packed = torch.cat(
-            [self.num_accepted.view(1), self.next_token.view(1), self.path, toks.to(self.path.device)]
-        ).tolist()
+        parts = [self.num_accepted.view(1), self.next_token.view(1), self.path, toks.to(self.path.device)]
+        if extra is not None:
+            parts.append(extra.to(self.path.device))
+        packed = torch.cat(parts).tolist()
         m, nxt = int(packed[0]), int(packed[1])
+        self.extra_host = packed[2 + 2 * d :]
         return packed[2 : 2 + m], packed[2 + d : 2 + d + m], nxt
+
+    def min_margin_below(self, logits: torch.Tensor, margin: float) -> torch.Tensor:
+        """`[1]` int64, 1 when a row that decided a committed token (row 0, each accepted node's
+        row) has a top-1 over top-2 logit margin below ``margin``; stays on device."""
+        top2 = logits.float().topk(2, dim=-1).values  # [N + 1, 2]
+        gaps = top2[:, 0] - top2[:, 1]  # [N + 1]
+        d = self.path.shape[0]
+        rows = torch.cat([self.path.new_zeros(1), self.path + 1])  # -1 padding -> row 0
+        used = torch.arange(d + 1, device=rows.device) <= self.num_accepted
+        low = (gaps.index_select(0, rows.clamp_min(0)) < margin) & used
+        return low.any().long().view(1)
 
 
 def children_table(parents: torch.Tensor, max_branch: int) -> torch.Tensor:

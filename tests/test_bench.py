@@ -223,3 +223,40 @@ def test_smoke_with_cuda_graphs_flag_stays_exact(tmp_path: Path) -> None:
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
     assert result["summary"]["specsplit-chain"]["overall"]["tau"] > 1.2
+
+
+def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``-compiled`` decoders run only when named, with graphs + torch.compile on both engines."""
+    from specsplit.bench_decoders import OPTIONAL_DECODERS, build_decoders, load_models
+
+    assert not set(OPTIONAL_DECODERS) & set(DECODERS)  # never in a default run (compiling takes minutes)
+    m = load_models(tiny=True, device="cpu")
+    decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], k=4)
+    try:
+        assert [d.name for d in decs] == ["specsplit-dynamic", *OPTIONAL_DECODERS] and not skipped
+        assert "torch.compile" not in decs[0].label
+        for d in decs[1:]:
+            assert "fused by torch.compile" in d.label
+            assert d.config.draft.compile and d.config.target.compile
+            assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
+        assert not decs[0].config.draft.compile and not decs[0].config.target.cuda_graphs
+    finally:
+        for d in decs:
+            d.close()
+    assert (
+        main(["bench", "--suite", "smoke", "--device", "cpu", "--decoders", "specsplit-dynamic-fused"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "unknown decoders" in err and "specsplit-dynamic-compiled" in err
+
+
+@pytest.mark.large  # Inductor compiles C++ kernels on CPU: minutes on 2 cores
+def test_smoke_compiled_decoders_stay_exact(tmp_path: Path) -> None:
+    decoders = "hf-target,specsplit-target-only-compiled,specsplit-dynamic-compiled"
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--repeats", "1", "--decoders", decoders]
+    assert main([*argv, "--tag", "compiled", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-smoke-compiled.json")
+    result = json.loads(path.read_text())
+    for name, entry in result["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, name
+    assert result["summary"]["specsplit-dynamic-compiled"]["overall"]["tau"] > 1.2

@@ -478,3 +478,26 @@ def test_worker_process_launcher(model_dirs) -> None:
     assert proc is not None and proc.poll() is not None  # stopped on exit
     with pytest.raises(TransportError, match="did not start"):
         WorkerProcess("target", str(model_dirs[0] / "missing"), device="cpu", ready_timeout_s=120).start()
+
+
+def test_serve_specpv_options_reach_the_config() -> None:
+    """`specsplit serve target --specpv ...`: each SpecPV option lands in the served SpecPVConfig."""
+    import argparse
+
+    from specsplit.errors import ConfigError
+    from specsplit.remote.cli import add_cli, specpv_config
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    base = ["serve", "target", "--model", "m"]
+    default = specpv_config(parser.parse_args(base))
+    assert not default.enabled and default.rectify_margin == 0.0
+    args = parser.parse_args([
+        *base, "--specpv", "--specpv-threshold", "8192", "--specpv-retrieval-blocks", "64",
+        "--specpv-retrieval-refresh", "1", "--specpv-query-window", "16", "--specpv-rectify-margin", "1.5",
+    ])  # fmt: skip
+    pv = specpv_config(args)
+    assert (pv.enabled, pv.partial_threshold, pv.n_retrieval_blocks) == (True, 8192, 64)
+    assert (pv.retrieval_refresh_interval, pv.retrieval_query_window, pv.rectify_margin) == (1, 16, 1.5)
+    with pytest.raises(ConfigError, match="rectify_margin"):
+        specpv_config(parser.parse_args([*base, "--specpv", "--specpv-rectify-margin", "-1"]))

@@ -140,6 +140,8 @@ def _run(target, draft, prompt, pv: SpecPVConfig | None, tree=STATIC, hook=None,
         (dict(retrieval_reduce="median"), "retrieval_reduce"),
         (dict(retrieval_refresh_interval=-1), "retrieval_refresh_interval"),
         (dict(partial_threshold=2.5), "partial_threshold"),
+        (dict(rectify_margin=-0.5), "rectify_margin"),
+        (dict(rectify_margin=float("inf")), "rectify_margin"),
     ],
 )
 def test_config_validation(kw, match):
@@ -515,6 +517,44 @@ def test_retrieval_query_window_scores_with_recent_committed_rows(llama_pair, pr
         ]
         assert ok, (since, rows, n_prev)
     assert capped or not window
+
+
+def test_min_margin_below_reads_only_the_deciding_rows():
+    """Rows that decided a committed token: row 0 and each accepted node's row; others are ignored."""
+    from specsplit.verification import verify_greedy
+
+    tree = TokenTree(  # 0 -> 1 -> 2 (chain) and a sibling 3 of node 0
+        torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 1, -1]), torch.tensor([1, 2, 3, 1]), torch.zeros(4)
+    )
+    logits = torch.zeros(5, 10)
+    logits[0, 5], logits[1, 6], logits[2, 3], logits[3, 1], logits[4, 2] = 9.0, 9.0, 9.0, 9.0, 9.0
+    out = verify_greedy(logits, tree, 3, 2)  # accepts nodes 0, 1 (tokens 5, 6); node 2 (7) rejected
+    assert out.to_host(tree.token_ids) == ([0, 1], [5, 6], 3)
+    assert out.min_margin_below(logits, 1.0).tolist() == [0]
+    logits[4, 3] = 8.5  # a near-tie on node 3's row (not on the path): ignored
+    assert out.min_margin_below(logits, 1.0).tolist() == [0]
+    logits[2, 4] = 8.5  # a near-tie on node 1's row, which chose the next token
+    assert out.min_margin_below(logits, 1.0).tolist() == [1]
+    assert out.min_margin_below(logits, 0.4).tolist() == [0]
+    nodes, toks, nxt = out.to_host(tree.token_ids, extra=torch.tensor([7, 1]))
+    assert (nodes, toks, nxt, out.extra_host) == ([0, 1], [5, 6], 3, [7, 1])
+
+
+@pytest.mark.parametrize("tree", [CHAIN, STATIC])
+def test_rectify_margin_verifies_near_ties_in_full(llama_pair, prompt, tree):
+    """A margin no logit gap reaches rectifies every partial step: the output is full verification's,
+    and each discarded step is counted; a zero margin changes nothing."""
+    target, draft = llama_pair
+    ref, ref_stats, _, _ = _run(target, draft, prompt, None, tree=tree)
+    small = dict(n_retrieval_blocks=1, full_refresh_interval=4)  # a lossy view
+    out, stats, te, tr = _run(target, draft, prompt, _pv(**small, rectify_margin=1e6), tree=tree)
+    s = te.specpv_stats
+    assert out == ref
+    assert s.partial_steps == 0 and s.rectifications > 0 and s.full_reasons.get("rectify") == s.rectifications
+    assert {r.stats.verify_mode for r in tr.results} == {"full"}
+    assert te.forward_count == len(stats.rounds) + s.rectifications  # one discarded forward per rectification
+    lossy, _, te0, _ = _run(target, draft, prompt, _pv(**small), tree=tree)
+    assert te0.specpv_stats.rectifications == 0 and te0.specpv_stats.partial_steps > 0
 
 
 def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):

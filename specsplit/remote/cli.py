@@ -55,6 +55,21 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--specpv-threshold", type=int, default=None, help="target: SpecPV from this many tokens")
     p.add_argument("--specpv-retrieval-blocks", type=int, default=None, help="target: SpecPV blocks/KV head")
+    p.add_argument(
+        "--specpv-retrieval-refresh",
+        type=int,
+        default=None,
+        help="target: SpecPV re-selects retrieved blocks every N partial steps (experimental)",
+    )
+    p.add_argument(
+        "--specpv-query-window", type=int, default=None, help="target: SpecPV re-selection query window"
+    )
+    p.add_argument(
+        "--specpv-rectify-margin",
+        type=float,
+        default=None,
+        help="target: SpecPV verifies a round in full when a partial step decides a token by a smaller logit margin",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -78,6 +93,20 @@ def _load(args: argparse.Namespace) -> torch.nn.Module:
 
     device = args.device or str(default_device())
     return load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+
+
+def specpv_config(args: argparse.Namespace) -> Any:
+    """The target's ``SpecPVConfig`` from the ``--specpv*`` options (defaults where not given)."""
+    from specsplit.partial_kv import SpecPVConfig
+
+    given = {
+        "partial_threshold": args.specpv_threshold,
+        "n_retrieval_blocks": args.specpv_retrieval_blocks,
+        "retrieval_refresh_interval": args.specpv_retrieval_refresh,
+        "retrieval_query_window": args.specpv_query_window,
+        "rectify_margin": args.specpv_rectify_margin,
+    }
+    return SpecPVConfig(enabled=args.specpv, **{k: v for k, v in given.items() if v is not None})
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -110,17 +139,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dcfg = DraftConfig(model=args.model, device=args.device, dtype=args.dtype, **common, **extra)
         engine = DraftEngine(_load(args), config=dcfg)
     else:
-        from specsplit.partial_kv import SpecPVConfig
         from specsplit.target import TargetEngine
 
-        d = SpecPVConfig()
-        pv = SpecPVConfig(
-            enabled=args.specpv,
-            partial_threshold=d.partial_threshold if args.specpv_threshold is None else args.specpv_threshold,
-            n_retrieval_blocks=(
-                d.n_retrieval_blocks if args.specpv_retrieval_blocks is None else args.specpv_retrieval_blocks
-            ),
-        )
+        pv = specpv_config(args)
         tcfg = TargetConfig(
             specpv=pv,
             model=args.model,
