@@ -30,9 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import noisy_copy, tiny_llama  # noqa: E402
 
 from specsplit import DraftConfig, SpecSplitConfig, SpecSplitGenerator, TargetConfig, TreeConfig  # noqa: E402
-from specsplit import draft as draft_mod  # noqa: E402
 from specsplit import graphs as graphs_mod  # noqa: E402
-from specsplit import target as target_mod  # noqa: E402
+from specsplit.engine_common import ModelRunner  # noqa: E402
 
 TREES = {
     "chain": TreeConfig(shape="chain", num_draft_tokens=4),
@@ -88,9 +87,8 @@ def count(shape: str, new_tokens: int, seed: int, noise: float) -> dict[str, Any
     counter = OpCounter()
     _wrap(counter, gen.draft_engine, "generate", where="draft")
     _wrap(counter, gen.target_engine, "verify", where="target")
-    _wrap(counter, graphs_mod.StaticForward, "_forward", model=True)
-    _wrap(counter, target_mod.ModelRunner, "forward", model=True)
-    assert draft_mod  # the draft's eager forwards go through ModelRunner.forward too
+    _wrap(counter, graphs_mod.StaticForward, "_forward", model=True)  # static-path forwards
+    _wrap(counter, ModelRunner, "forward", model=True)  # eager forwards of both engines
     with counter:
         out = gen.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
     rounds = out.spec_stats.rounds

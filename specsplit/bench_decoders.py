@@ -423,14 +423,14 @@ def build_decoders(
     where = f"draft on {m.overlap_draft_device or m.draft_device}, target on {m.device}"
     labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"
     labels["specsplit-overlap-dynamic"] = f"{labels['specsplit-dynamic']}, overlapped pipeline ({where})"
+    for name in OPTIONAL_DECODERS:  # before the flags' suffix: these always fuse their graphs
+        labels[name] = f"{labels[name.removesuffix(COMPILED_SUFFIX)]}, CUDA graphs fused by torch.compile"
     if cuda_graphs or compile:
         extra = ", ".join(x for x, on in (("CUDA graphs", cuda_graphs), ("torch.compile", compile)) if on)
-        labels = {n: (f"{v}, {extra}" if n.startswith("specsplit") else v) for n, v in labels.items()}
-    for name in OPTIONAL_DECODERS:
-        base = (
-            labels[name.removesuffix(COMPILED_SUFFIX)].split(", CUDA graphs")[0].split(", torch.compile")[0]
-        )
-        labels[name] = f"{base}, CUDA graphs fused by torch.compile"
+        labels = {
+            n: (f"{v}, {extra}" if n.startswith("specsplit") and n not in OPTIONAL_DECODERS else v)
+            for n, v in labels.items()
+        }
     decoders: list[Decoder] = []
     skipped: dict[str, str] = {}
     try:

@@ -18,11 +18,12 @@ from specsplit.config import DraftConfig, SamplingParams, TreeConfig
 from specsplit.engine_common import (
     PROTOCOL_VERSION,
     ModelRunner,
+    desync_error,
     h2d,
     make_store,
     sync_device,
 )
-from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
+from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
 from specsplit.graphs import Workspace
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sampling import (
@@ -504,12 +505,7 @@ class DraftEngine:
 
 def _require_length(state: DraftCacheState, req: DraftRequest) -> None:
     if req.prefix_length != state.cached_prompt_len:
-        raise CacheDesyncError(
-            f"draft session {req.session_id!r} holds {state.cached_prompt_len} tokens, "
-            f"caller expected {req.prefix_length}; resend the full context",
-            expected=req.prefix_length,
-            actual=state.cached_prompt_len,
-        )
+        raise desync_error("draft", req.session_id, state.cached_prompt_len, req.prefix_length)
 
 
 def _reuse_prefix(state: DraftCacheState, base: int, new: list[int]) -> list[int]:

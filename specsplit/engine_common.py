@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specsplit.errors import InvalidRequest, ModelLoadError, ResourceExhausted
+from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sessions import SessionStore
 
@@ -167,6 +167,16 @@ def check_capacity(total: int, max_context: int) -> None:
         raise ResourceExhausted(
             f"session would hold {total} tokens; the engine's max_context is {max_context}"
         )
+
+
+def desync_error(role: str, session_id: str, held: int, expected: int) -> CacheDesyncError:
+    """The error both engines raise when the caller's idea of a session's length is wrong."""
+    return CacheDesyncError(
+        f"{role} session {session_id!r} holds {held} tokens, caller expected {expected}; "
+        "resend the full context",
+        expected=expected,
+        actual=held,
+    )
 
 
 def make_store(max_sessions: int, ttl_s: float, name: str, on_evict: Any = None) -> SessionStore[Any]:

@@ -24,6 +24,7 @@ from specsplit.engine_common import (
     PROTOCOL_VERSION,
     ModelRunner,
     check_capacity,
+    desync_error,
     h2d,
     make_store,
     sync_device,
@@ -247,12 +248,7 @@ class TargetEngine:
                 if req.expected_prefix_length == 0:
                     state.reset()
                 elif state.seq_len != req.expected_prefix_length:
-                    raise CacheDesyncError(
-                        f"target session {session_id!r} holds {state.seq_len} tokens, caller expected "
-                        f"{req.expected_prefix_length}; resend the full context",
-                        expected=req.expected_prefix_length,
-                        actual=state.seq_len,
-                    )
+                    raise desync_error("target", session_id, state.seq_len, req.expected_prefix_length)
                 result = self._verify_locked(state, tree, pending, req, max_branch, max_depth, stats)
         finally:
             if self.config.stateless:

@@ -557,6 +557,19 @@ def test_rectify_margin_verifies_near_ties_in_full(llama_pair, prompt, tree):
     assert te0.specpv_stats.rectifications == 0 and te0.specpv_stats.partial_steps > 0
 
 
+def test_rectification_reads_the_device_once_more_only_when_it_fires(llama_pair, prompt, outcome_reads):
+    """The near-tie flag rides on the round's one host read; only a rectified round reads again."""
+    target, draft = llama_pair
+    small = dict(n_retrieval_blocks=1, full_refresh_interval=4)
+    _, stats, te, _ = _run(target, draft, prompt, _pv(**small, rectify_margin=1e6), tree=CHAIN)
+    rect = te.specpv_stats.rectifications
+    assert rect > 0 and outcome_reads["n"] == len(stats.rounds) + rect
+    outcome_reads["n"] = 0
+    _, stats, te, _ = _run(target, draft, prompt, _pv(**small, rectify_margin=1e-9), tree=CHAIN)
+    assert te.specpv_stats.partial_steps > 0 and te.specpv_stats.rectifications == 0
+    assert outcome_reads["n"] == len(stats.rounds)
+
+
 def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):
     target, draft = llama_pair
     ref, _, _, _ = _run(target, draft, prompt, None, new=40)
