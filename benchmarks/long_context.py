@@ -433,7 +433,14 @@ def write_markdown(
         f"partial steps (query window {meta.get('query_window') or '-'}), rectify margin "
         f"{meta.get('rectify_margin') or '-'}, reduce `{meta.get('reduce', 'mean')}`, window {meta.get('window_blocks', 8)} blocks, "
         f"main budget {meta['budget']} tokens. Torch threads: "
-        f"{meta['threads']}.",
+        f"{meta['threads']}. Attention: "
+        + (
+            "transformers' SDPA (repeat_kv)."
+            if meta.get("fold_gqa") is False
+            else "GQA folded into the query rows (`specsplit.attention`)."
+            if meta.get("fold_gqa")
+            else "transformers' SDPA (runs before `fold_gqa` existed)."
+        ),
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -577,6 +584,11 @@ def main() -> int:
     ap.add_argument("--window-blocks", type=int, default=8, help="SpecPV n_window_blocks")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     ap.add_argument("--no-cudnn-sdp", action="store_true", help="disable the cuDNN SDPA backend (CUDA)")
+    ap.add_argument(
+        "--no-fold-gqa",
+        action="store_true",
+        help="attend through transformers' SDPA (repeat_kv) instead of SpecSplit's folded GQA kernel",
+    )
     ap.add_argument("--step-reps", type=int, default=5, help="paired verify-step repetitions (0: skip)")
     ap.add_argument(
         "--random-weights", action="store_true", help="timing only: random models, random prompts"
@@ -616,9 +628,15 @@ def main() -> int:
         dtype=args.dtype,
         max_context=max(contexts) + args.new_tokens + 512,
         session_ttl_s=7 * 86400.0,
+        fold_gqa=not args.no_fold_gqa,
     )
     full_engine = TargetEngine(target_model, TargetConfig(**tcfg))
-    draft = DraftEngine(draft_model, DraftConfig(max_context=tcfg["max_context"], session_ttl_s=7 * 86400.0))
+    draft = DraftEngine(
+        draft_model,
+        DraftConfig(
+            max_context=tcfg["max_context"], session_ttl_s=7 * 86400.0, fold_gqa=not args.no_fold_gqa
+        ),
+    )
     rows: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
     prefill_s: dict[int, float] = {}
@@ -650,6 +668,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "cpu_count": os.cpu_count(),
         "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+        "fold_gqa": not args.no_fold_gqa,
         "notes": args.note,
     }
     for i, ctx in enumerate(contexts):

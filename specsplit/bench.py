@@ -6,7 +6,8 @@ gets the same prompts (chat template applied), the same greedy ``GenerationConfi
 ``max_new_tokens``, EOS and pad ids) and the same loaded model objects.
 
 The loop is repeat -> prompt -> decoder, so slow drifts of a shared machine hit every decoder alike;
-each decoder is warmed up once before timing; CUDA devices are synchronised before and after each
+each decoder is warmed up once before timing (one that captures CUDA graphs or compiles: on every
+prompt, since each KV bucket's graph is made on first use); CUDA devices are synchronised before and after each
 timed call. Results go to ``<out>/<machine>-<date>.{json,md,png}`` (see :mod:`specsplit.bench_report`).
 """
 
@@ -216,7 +217,11 @@ def _measure(
     warm = torch.tensor([prompts[0].input_ids[-16:]], dtype=torch.long)
     for dec in decoders:  # first calls pay for lazy init, allocator growth, kernel selection
         t0 = time.perf_counter()
-        _timed(dec, warm, min(6, max_new), devices)
+        if dec.shape_warmup:  # one graph (and compile) per KV bucket, made on first use
+            for p in prompts:
+                _timed(dec, torch.tensor([p.input_ids], dtype=torch.long), max_new, devices)
+        else:
+            _timed(dec, warm, min(6, max_new), devices)
         logger.info("warm-up %-22s %.2f s", dec.name, time.perf_counter() - t0)
     records: list[RunRecord] = []
     tokens = {} if tokens is None else tokens  # first repeat's new tokens per (decoder, prompt)

@@ -108,6 +108,7 @@ class Decoder:
     run: Callable[[torch.Tensor, int], DecodeOutput]
     close: Callable[[], None] = lambda: None
     config: Any = None  # the SpecSplitConfig of a local SpecSplit decoder
+    shape_warmup: bool = False  # captures graphs / compiles per shape: warm up on every prompt
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -292,7 +293,9 @@ def _hf_decoder(name: str, label: str, m: BenchModels, assisted_k: int | None = 
     return Decoder(name, label, run)
 
 
-def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: Callable[[], None]) -> Decoder:
+def _specsplit_decoder(
+    name: str, label: str, m: BenchModels, gen: Any, close: Callable[[], None], shape_warmup: bool = False
+) -> Decoder:
     def run(ids: torch.Tensor, max_new: int) -> DecodeOutput:
         out = gen.generate(ids, generation_config=m.generation_config(max_new), return_dict_in_generate=True)
         rs = out.spec_stats.rounds
@@ -308,7 +311,7 @@ def _specsplit_decoder(name: str, label: str, m: BenchModels, gen: Any, close: C
         new = out.sequences[0, ids.shape[1] :].tolist()
         return DecodeOutput(new, [(r.drafted_depth, r.accepted) for r in rs], split)
 
-    return Decoder(name, label, run, close, config=getattr(gen, "config", None))
+    return Decoder(name, label, run, close, config=getattr(gen, "config", None), shape_warmup=shape_warmup)
 
 
 def _grpc_decoder(
@@ -352,7 +355,7 @@ def _grpc_decoder(
 
         plabel = (f"SpecSplit chain K={tree.num_draft_tokens} over gRPC, draft and target workers as "
                   "separate processes on loopback")  # fmt: skip
-        return _specsplit_decoder("specsplit-grpc", plabel, m, pgen, close_processes)
+        return _specsplit_decoder("specsplit-grpc", plabel, m, pgen, close_processes, graphs or compile)
 
     d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs, compile=compile))
     t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
@@ -368,7 +371,7 @@ def _grpc_decoder(
             srv.stop(grace=1.0, shutdown_engine=True)
 
     label = f"SpecSplit chain K={tree.num_draft_tokens} over gRPC, both workers in-process on loopback"
-    return _specsplit_decoder("specsplit-grpc", label, m, gen, close)
+    return _specsplit_decoder("specsplit-grpc", label, m, gen, close, graphs or compile)
 
 
 def build_decoders(
@@ -470,7 +473,7 @@ def build_decoders(
                     overlap=name.startswith("specsplit-overlap"),
                 )
                 gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)
-                decoders.append(_specsplit_decoder(name, labels[name], m, gen, gen.close))
+                decoders.append(_specsplit_decoder(name, labels[name], m, gen, gen.close, graphs or fuse))
     except BaseException:  # a failed worker start must not leak the servers already running
         for dec in decoders:
             dec.close()

@@ -42,6 +42,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="with --cuda-graphs: fuse those steps with torch.compile first (slow first rounds)",
     )
     p.add_argument(
+        "--no-fold-gqa",
+        action="store_true",
+        help="attend through transformers' SDPA (repeat_kv) instead of SpecSplit's folded GQA attention",
+    )
+    p.add_argument(
         "--overlap",
         action="store_true",
         help="draft the next round while this one verifies (pays with the models on two GPUs)",
@@ -80,6 +85,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sec.cuda_graphs = True
         if args.compile:
             sec.compile = True
+        if args.no_fold_gqa:
+            sec.fold_gqa = False
     if args.overlap:
         cfg.overlap = True
     target = args.target or cfg.target.model or DEFAULT_TARGET

@@ -123,6 +123,9 @@ class DraftConfig:
         compile: fuse the static-path forward with ``torch.compile`` (Inductor, default mode)
             before it is captured: fewer, larger kernels per layer. The first calls compile (tens
             of seconds on a GPU host); experimental, off by default.
+        fold_gqa: tree forwards of a GQA model attend with the group folded into the query rows,
+            reading K/V once per KV head instead of copying them to every query head
+            (:mod:`specsplit.attention`; same attention, other kernels). Off: transformers' SDPA.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
     """
 
@@ -135,6 +138,7 @@ class DraftConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
+    fold_gqa: bool = True
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
@@ -159,8 +163,8 @@ class TargetConfig:
         max_tree_nodes / max_tree_depth: largest tree a request may carry.
         max_context: largest prompt + generation a session may grow to.
         stateless: keep no KV between requests (every request must carry the full context).
-        cuda_graphs / graph_capacity / compile: as for :class:`DraftConfig` (the verify step of a
-            fixed tree).
+        cuda_graphs / graph_capacity / compile / fold_gqa: as for :class:`DraftConfig` (the verify
+            step of a fixed tree).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
@@ -180,6 +184,7 @@ class TargetConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
+    fold_gqa: bool = True
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
 
     def __post_init__(self) -> None:

@@ -74,7 +74,14 @@ class DraftEngine:
 
     def __init__(self, model: torch.nn.Module | None = None, config: DraftConfig | None = None):
         self.config = config or DraftConfig()
-        self.runner = ModelRunner(model, self.config.model, self.config.device, None, self.config.dtype)
+        self.runner = ModelRunner(
+            model,
+            self.config.model,
+            self.config.device,
+            None,
+            self.config.dtype,
+            fold_gqa=self.config.fold_gqa,
+        )
         self._store = make_store(
             self.config.max_sessions, self.config.session_ttl_s, "draft-sessions", self._on_evict
         )

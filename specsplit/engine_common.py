@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from specsplit.attention import FOLD_KWARG, gqa_group
+from specsplit.attention import install as install_attention
 from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sessions import SessionStore
@@ -51,6 +53,8 @@ class ModelRunner:
         model: a loaded HF causal LM, or ``None`` to load ``model_name`` on :meth:`load_model`.
         model_name: alias / directory / HF id (used when ``model`` is None).
         device, device_map, dtype: placement (see the engine configs).
+        fold_gqa: forwards fold a GQA model's head groups into the query rows
+            (:mod:`specsplit.attention`).
     """
 
     def __init__(
@@ -60,8 +64,11 @@ class ModelRunner:
         device: str | None,
         device_map: Any,
         dtype: str,
+        fold_gqa: bool = False,
     ):
         self.model = model
+        self._fold_gqa = fold_gqa
+        self.attention_kwargs: dict[str, Any] = {}  # reach the attention function on every forward
         self.model_name = model_name or (getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         self._device = device
         self._device_map = device_map
@@ -105,6 +112,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.input_device = model.get_input_embeddings().weight.device
         self.output_device = model.get_output_embeddings().weight.device
+        if self._fold_gqa and gqa_group(model) > 1 and install_attention(model, allow_from=("sdpa",)):
+            self.attention_kwargs = {FOLD_KWARG: True}
 
     def require(self) -> torch.nn.Module:
         if self.model is None:
@@ -145,6 +154,7 @@ class ModelRunner:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **self.attention_kwargs,
             **attention_kwargs,
         )
         self.forward_count += 1

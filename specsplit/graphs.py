@@ -117,6 +117,7 @@ class StaticForward:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=ids.shape[1],
+            **self.runner.attention_kwargs,
         )
         return out.logits[0]
 

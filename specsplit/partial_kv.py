@@ -26,7 +26,7 @@ their true absolute positions. The view is one contiguous ``[batch, kv_heads, bu
 buffer per layer held in a :class:`~specsplit.kv_cache.StaticKVCache`, so a partial forward is an
 ordinary cached forward over that cache (the model's ``past_key_values.update`` returns the view).
 The post-RoPE queries come from a custom attention function registered through transformers'
-``AttentionInterface`` that records them on demand and otherwise delegates to SDPA.
+``AttentionInterface`` (:mod:`specsplit.attention`) that records them on demand.
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ from typing import Any, Literal
 
 import torch
 
+from specsplit.attention import ATTENTION_NAME, install, specsplit_attention
+from specsplit.attention import RECORDER_KWARG as RECORDER_KWARG  # re-exported
 from specsplit.errors import ConfigError
 from specsplit.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
 
-SPECPV_ATTENTION = "specsplit_specpv"  # name registered with transformers' AttentionInterface
-RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg that reaches the attention function
+SPECPV_ATTENTION = ATTENTION_NAME  # the attention function SpecPV needs (it records queries)
+specpv_attention = specsplit_attention
 
 
 @dataclass
@@ -183,68 +185,9 @@ class QueryRecorder:
         )
 
 
-def specpv_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention function for transformers' ``AttentionInterface``: record queries, then SDPA.
-
-    transformers calls it after RoPE and after ``past_key_values.update``, so ``query`` is
-    post-RoPE at the true positions and ``key``/``value`` are whatever the cache returned: the
-    whole valid prefix for the full cache, the partial view for the SpecPV cache.
-
-    Args:
-        module: the attention module (``layer_idx`` and ``num_key_value_groups`` are read).
-        query: `[batch, heads, q, head_dim]` post-RoPE queries.
-        key: `[batch, kv_heads, kv, head_dim]`.
-        value: `[batch, kv_heads, kv, head_dim]`.
-        attention_mask: `[batch, 1, q, kv]` additive float mask.
-        **kwargs: forwarded to SDPA; ``specpv_recorder`` (a :class:`QueryRecorder`) is consumed.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    recorder = kwargs.pop(RECORDER_KWARG, None)
-    layer_idx = getattr(module, "layer_idx", None)
-    if recorder is not None and layer_idx is not None:  # missing queries -> full verification later
-        recorder.record(int(layer_idx), query)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-_registered = False
-
-
 def install_attention(model: torch.nn.Module) -> bool:
-    """Make ``model`` call :func:`specpv_attention` (idempotent); False if the model cannot.
-
-    Models whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, ... in
-    transformers 5) switch implementation without any modeling-file change. A model on eager
-    attention moves to SDPA (same math, different kernel).
-    """
-    global _registered
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if not _registered:
-        AttentionInterface.register(SPECPV_ATTENTION, specpv_attention)
-        AttentionMaskInterface.register(SPECPV_ATTENTION, sdpa_mask)  # 2-D masks (e.g. HF generate)
-        _registered = True
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    if current == SPECPV_ATTENTION:
-        return True
-    try:
-        model.set_attn_implementation(SPECPV_ATTENTION)  # type: ignore[operator]
-    except (AttributeError, ValueError, TypeError) as e:
-        logger.warning("SpecPV: cannot install the query-recording attention on this model (%s)", e)
-        return False
-    ok = getattr(config, "_attn_implementation", None) == SPECPV_ATTENTION
-    if ok and current not in ("sdpa", None):
-        logger.info("SpecPV: attention implementation %r replaced by SDPA with query recording", current)
-    return ok
+    """Make ``model`` call SpecSplit's attention function, which records queries on demand."""
+    return install(model)
 
 
 # ---------------------------------------------------------------------- block summaries and scores

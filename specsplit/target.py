@@ -83,7 +83,12 @@ class TargetEngine:
     def __init__(self, model: torch.nn.Module | None = None, config: TargetConfig | None = None):
         self.config = config or TargetConfig()
         self.runner = ModelRunner(
-            model, self.config.model, self.config.device, self.config.device_map, self.config.dtype
+            model,
+            self.config.model,
+            self.config.device,
+            self.config.device_map,
+            self.config.dtype,
+            fold_gqa=self.config.fold_gqa,
         )
         self._store = make_store(
             self.config.max_sessions, self.config.session_ttl_s, "target-sessions", self._on_evict

@@ -234,8 +234,9 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], k=4)
     try:
         assert [d.name for d in decs] == ["specsplit-dynamic", *OPTIONAL_DECODERS] and not skipped
-        assert "torch.compile" not in decs[0].label
+        assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
+            assert d.shape_warmup  # a graph per KV bucket: warmed up on every prompt
             assert "fused by torch.compile" in d.label
             assert d.config.draft.compile and d.config.target.compile
             assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
@@ -248,6 +249,31 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     )
     err = capsys.readouterr().err
     assert "unknown decoders" in err and "specsplit-dynamic-compiled" in err
+
+
+def test_warmup_covers_every_prompt_for_shape_capturing_decoders() -> None:
+    """A decoder that captures a graph per KV bucket is warmed up on every prompt (full length), so
+    no capture or compile lands in a timed call; the others get one short warm-up."""
+    import torch
+
+    from specsplit.bench import BenchPrompt, _measure
+    from specsplit.bench_decoders import DecodeOutput, Decoder
+
+    calls: dict[str, list[tuple[int, int]]] = {"graphs": [], "eager": []}
+
+    def make(name: str) -> Decoder:
+        def run(ids: torch.Tensor, max_new: int) -> DecodeOutput:
+            calls[name].append((ids.shape[1], max_new))
+            return DecodeOutput([1] * max_new, [], {})
+
+        return Decoder(name, name, run, shape_warmup=name == "graphs")
+
+    prompts = [BenchPrompt(id=f"p{i}", category="qa", messages=[], input_ids=list(range(n)))
+               for i, n in enumerate((40, 300, 900))]  # fmt: skip
+    _measure([make("graphs"), make("eager")], prompts, repeats=1, max_new=8, devices=["cpu"])
+    assert calls["graphs"][:3] == [(40, 8), (300, 8), (900, 8)]  # warm-up: every prompt, full length
+    assert calls["eager"][0] == (16, 6)  # one short warm-up
+    assert len(calls["graphs"]) == 6 and len(calls["eager"]) == 4  # + the timed repeat
 
 
 @pytest.mark.large  # Inductor compiles C++ kernels on CPU: minutes on 2 cores

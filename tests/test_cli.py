@@ -51,14 +51,16 @@ def test_generate_cli_reports_errors(model_dirs, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_generate_cli_static_path_and_overlap(model_dirs, llama_target, capsys):
-    """--cuda-graphs (the static workspace path; eager on CPU) and --overlap keep HF's output."""
+@pytest.mark.parametrize("attention", [[], ["--no-fold-gqa"]])
+def test_generate_cli_static_path_and_overlap(model_dirs, llama_target, capsys, attention):
+    """--cuda-graphs (the static workspace path; eager on CPU) and --overlap keep HF's output, with
+    SpecSplit's folded GQA attention and with transformers' own (--no-fold-gqa)."""
     prompt_ids = [9, 4, 41, 7]
     prompt = " ".join(word(i) for i in prompt_ids)
     rc = main([
         "generate", prompt, "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
         "--raw", "--max-new-tokens", "16", "--tree", "dynamic", "--json", "--device", "cpu",
-        "--cuda-graphs", "--overlap",
+        "--cuda-graphs", "--overlap", *attention,
     ])  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out)

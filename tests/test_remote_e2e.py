@@ -480,6 +480,24 @@ def test_worker_process_launcher(model_dirs) -> None:
         WorkerProcess("target", str(model_dirs[0] / "missing"), device="cpu", ready_timeout_s=120).start()
 
 
+def test_serve_engine_options_reach_both_roles() -> None:
+    """`specsplit serve`: graph, compile and attention flags become engine-config fields."""
+    import argparse
+
+    from specsplit.config import DraftConfig, TargetConfig
+    from specsplit.remote.cli import add_cli, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    default = engine_options(parser.parse_args(["serve", "draft", "--model", "m"]))
+    assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True}
+    opts = engine_options(parser.parse_args([
+        "serve", "target", "--model", "m", "--cuda-graphs", "--no-fold-gqa", "--graph-capacity", "4096",
+    ]))  # fmt: skip
+    assert opts == {"cuda_graphs": True, "compile": False, "fold_gqa": False, "graph_capacity": 4096}
+    assert not TargetConfig(**opts).fold_gqa and not DraftConfig(**opts).fold_gqa
+
+
 def test_serve_specpv_options_reach_the_config() -> None:
     """`specsplit serve target --specpv ...`: each SpecPV option lands in the served SpecPVConfig."""
     import argparse

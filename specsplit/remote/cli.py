@@ -49,6 +49,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
     p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
     p.add_argument("--compile", action="store_true", help="fuse the fixed-shape steps with torch.compile")
+    p.add_argument(
+        "--no-fold-gqa",
+        action="store_true",
+        help="attend through transformers' SDPA (repeat_kv) instead of SpecSplit's folded GQA attention",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--specpv", action="store_true", help="target: SpecPV partial verification for long contexts (lossy)"
@@ -109,6 +114,22 @@ def specpv_config(args: argparse.Namespace) -> Any:
     return SpecPVConfig(enabled=args.specpv, **{k: v for k, v in given.items() if v is not None})
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine-config fields both roles take from ``serve``'s flags."""
+    common: dict[str, Any] = {
+        "cuda_graphs": args.cuda_graphs,
+        "compile": args.compile,
+        "fold_gqa": not args.no_fold_gqa,
+    }
+    if args.graph_capacity is not None:
+        common["graph_capacity"] = args.graph_capacity
+    if args.max_sessions is not None:
+        common["max_sessions"] = args.max_sessions
+    if args.session_ttl is not None:
+        common["session_ttl_s"] = args.session_ttl
+    return common
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from specsplit.config import DraftConfig, TargetConfig
     from specsplit.errors import ConfigError
@@ -118,13 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     token = _read_token(args)
-    common: dict[str, Any] = {"cuda_graphs": args.cuda_graphs, "compile": args.compile}  # both roles
-    if args.graph_capacity is not None:
-        common["graph_capacity"] = args.graph_capacity
-    if args.max_sessions is not None:
-        common["max_sessions"] = args.max_sessions
-    if args.session_ttl is not None:
-        common["session_ttl_s"] = args.session_ttl
+    common = engine_options(args)
     limits = ServerLimits(
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
         max_tree_nodes=args.max_tree_nodes,

@@ -1,0 +1,157 @@
+"""The attention function SpecSplit's forwards use: GQA folded into the query rows, query recording.
+
+A tree forward (verify, draft level, ingest) attends a few query rows to a cached prefix under an
+additive mask. transformers' SDPA integration, given a mask, copies K and V to every query head
+(``repeat_kv``) and hands SDPA ``heads`` slices that each stream the whole prefix. For GQA models
+(Qwen2.5-Coder-1.5B: 12 query heads over 2 KV heads) that moves ``group`` times the KV bytes the
+step needs, and at long contexts it dominates the step (``benchmarks/attention_kernels.py``).
+
+Folding the GQA group into the query rows, `[b, heads, q, d] -> [b, kv_heads, group * q, d]`,
+reads each K/V head once. Query head ``h`` reads KV head ``h // group`` exactly as ``repeat_kv``
+arranges it, so the result is the same attention. Short prefixes go to SDPA. Long ones go to two
+matmuls with a float32 softmax: cuBLAS spreads the long KV dimension over the whole GPU, while a
+batch-1 verify gives SDPA's kernels only ``kv_heads x query blocks`` units of work.
+
+The function is registered once through transformers' ``AttentionInterface`` (no modeling-file
+change). It does nothing new unless a forward passes one of its keyword arguments, so a model
+switched to it behaves exactly as under ``"sdpa"`` elsewhere (e.g. in HF ``generate()``):
+
+- :data:`FOLD_KWARG` ``=True``: fold GQA for masked forwards of at most :data:`FOLD_MAX_ROWS` rows
+  over at least :data:`FOLD_MIN_KV` cached tokens;
+- :data:`RECORDER_KWARG` ``=recorder``: hand the post-RoPE queries to ``recorder.record`` (SpecPV).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_NAME = "specsplit"  # the name registered with transformers' AttentionInterface
+FOLD_KWARG = "specsplit_fold_gqa"  # model-forward kwarg: fold GQA into the query rows
+RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg: a SpecPV QueryRecorder
+FOLD_MAX_ROWS = 64  # tree forwards; a long prefill keeps SDPA (its folded mask would be huge)
+# Below this many cached tokens transformers' path is as fast or faster: H200 steps at 512 tokens, q=1,
+# cost 3% more folded as CUDA graphs and 7% more compiled (even at q=17); at 4,096 tokens the fold is
+# 1.1-1.5x faster, at 16,384 up to 2.7x (benchmarks/results/step_times-h200-fold{,-compile}.md).
+FOLD_MIN_KV = 2048
+MATH_MIN_KV = 4096  # prefix length from which the matmul kernel replaces SDPA
+
+
+def gqa_group(model: torch.nn.Module) -> int:
+    """Query heads per KV head of ``model`` (1 when it has no GQA or does not say)."""
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if not heads or not kv_heads or heads % kv_heads:
+        return 1
+    return int(heads // kv_heads)
+
+
+def folded_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None = None,
+    kernel: Literal["auto", "sdpa", "math"] = "auto",
+) -> torch.Tensor:
+    """Masked GQA attention with K/V read once per KV head.
+
+    Args:
+        query: `[b, heads, q, d]` (``heads`` a multiple of ``kv_heads``).
+        key, value: `[b, kv_heads, kv, d]`.
+        mask: `[b or 1, 1, q, kv]` additive float mask.
+        scaling: softmax scale (default ``d ** -0.5``).
+        kernel: ``"auto"``: matmuls from :data:`MATH_MIN_KV` cached tokens on, else SDPA.
+
+    Returns:
+        `[b, q, heads, d]`, the layout the attention modules expect back.
+    """
+    b, h, n, d = query.shape
+    hk, kv = key.shape[1], key.shape[2]
+    group = h // hk
+    scale = d**-0.5 if scaling is None else scaling
+    qf = query.reshape(b, hk, group * n, d)  # row g * n + i of KV head k = query head k * group + g
+    mf = mask.expand(b, 1, n, kv).repeat(1, 1, group, 1)
+    if kernel == "math" or (kernel == "auto" and kv >= MATH_MIN_KV):
+        scores = torch.matmul(qf, key.transpose(-1, -2)).float().mul_(scale).add_(mf)
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scale)
+    return out.reshape(b, h, n, d).transpose(1, 2).contiguous()
+
+
+def _foldable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or not mask.is_floating_point():
+        return False
+    h, hk = query.shape[1], key.shape[1]
+    return h > hk and h % hk == 0 and query.shape[2] <= FOLD_MAX_ROWS and key.shape[2] >= FOLD_MIN_KV
+
+
+def specsplit_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention function for ``AttentionInterface`` (see the module docstring).
+
+    transformers calls it after RoPE and after ``past_key_values.update``: ``query`` is post-RoPE
+    at the true positions, ``key``/``value`` are what the cache returned (the valid prefix, a KV
+    bucket of the static workspace, or the SpecPV partial view).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    recorder = kwargs.pop(RECORDER_KWARG, None)
+    fold = kwargs.pop(FOLD_KWARG, False)
+    layer_idx = getattr(module, "layer_idx", None)
+    if recorder is not None and layer_idx is not None:  # missing queries -> full verification later
+        recorder.record(int(layer_idx), query)
+    if fold and kwargs.get("dropout", 0.0) == 0.0 and _foldable(query, key, attention_mask):
+        assert attention_mask is not None
+        return folded_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+_registered = False
+
+
+def install(model: torch.nn.Module, allow_from: tuple[str | None, ...] = ("sdpa", None, "eager")) -> bool:
+    """Switch ``model`` to :func:`specsplit_attention` (idempotent); False if it cannot.
+
+    Models whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, ... in
+    transformers 5) switch without any modeling-file change. Only implementations named in
+    ``allow_from`` are replaced (an eager model moves to SDPA math: same result, other kernel).
+    """
+    global _registered
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, specsplit_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # 2-D masks (e.g. HF generate)
+        _registered = True
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current == ATTENTION_NAME:
+        return True
+    if current not in allow_from:
+        logger.info(
+            "attention implementation %r kept (SpecSplit's attention replaces only %s)", current, allow_from
+        )
+        return False
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
+    except (AttributeError, ValueError, TypeError) as e:
+        logger.warning("cannot install SpecSplit's attention function on this model (%s)", e)
+        return False
+    ok = getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+    if ok and current not in ("sdpa", None):
+        logger.info("attention implementation %r replaced by SDPA (SpecSplit's attention function)", current)
+    return ok
