@@ -93,16 +93,19 @@ def test_engines_fold_tree_forwards_and_match_hf_generate(monkeypatch):
     assert calls == []
 
 
+def _chain_matches_hf(prompt_len: int, new: int, seed: int) -> None:
+    """Greedy chain decoding on fresh tiny models equals HF generate()."""
+    target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
+    ids = torch.randint(3, 200, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    want = target.generate(ids, max_new_tokens=new, do_sample=False)
+    cfg = SpecSplitConfig(tree=TreeConfig(shape="chain", num_draft_tokens=3))
+    assert torch.equal(SpecSplitGenerator(target, draft, config=cfg).generate(ids, max_new_tokens=new), want)
+
+
 def test_prefill_longer_than_the_fold_limit_keeps_sdpa(monkeypatch):
     monkeypatch.setattr(attn, "FOLD_MAX_ROWS", 4)
     calls = _spy(monkeypatch)
-    target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
-    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(1))
-    want = target.generate(ids, max_new_tokens=8, do_sample=False)
-    gen = SpecSplitGenerator(
-        target, draft, config=SpecSplitConfig(tree=TreeConfig(shape="chain", num_draft_tokens=3))
-    )
-    assert torch.equal(gen.generate(ids, max_new_tokens=8, do_sample=False), want)
+    _chain_matches_hf(prompt_len=12, new=8, seed=1)
     assert calls and all(rows <= 4 for rows, _ in calls)  # the 12-row prefill was not folded
 
 
@@ -123,13 +126,7 @@ def test_fold_off_leaves_the_model_alone():
 def test_short_prefixes_keep_transformers_path(monkeypatch):
     calls = _spy(monkeypatch)
     monkeypatch.setattr(attn, "FOLD_MIN_KV", 30)
-    target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
-    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(3))
-    want = target.generate(ids, max_new_tokens=40, do_sample=False)
-    gen = SpecSplitGenerator(
-        target, draft, config=SpecSplitConfig(tree=TreeConfig(shape="chain", num_draft_tokens=3))
-    )
-    assert torch.equal(gen.generate(ids, max_new_tokens=40, do_sample=False), want)
+    _chain_matches_hf(prompt_len=8, new=40, seed=3)
     assert calls and min(kv for _, kv in calls) >= 30  # folded only once 30 tokens were cached
 
 
