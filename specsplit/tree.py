@@ -183,16 +183,13 @@ class TokenTree:
                 f"parents[{i}] = {int(par[i])}: parents must be -1 or an earlier node index "
                 "(BFS order, which also rules out cycles)"
             )
-        expect = torch.ones(n, dtype=torch.long)
-        has_parent = par >= 0
-        # BFS order makes one pass enough: a parent's depth is final before its children's.
-        d = expect.clone()
-        for i in has_parent.nonzero().flatten().tolist():
-            d[i] = d[int(par[i])] + 1
-        if not torch.equal(d, dep):
+        # Parents precede children, so checking each node against its parent's stated depth (roots
+        # at 1) proves every stated depth by induction: one vectorised comparison, no per-node loop.
+        expect = torch.where(par >= 0, dep[par.clamp_min(0)] + 1, torch.ones_like(dep))
+        if not torch.equal(expect, dep):
             raise InvalidRequest("tree.depths disagree with tree.parents")
-        if max_depth is not None and int(d.max()) > max_depth:
-            raise InvalidRequest(f"tree depth {int(d.max())} exceeds the limit {max_depth}")
+        if max_depth is not None and int(dep.max()) > max_depth:
+            raise InvalidRequest(f"tree depth {int(dep.max())} exceeds the limit {max_depth}")
         if not bool(
             torch.isfinite(self.log_probs.detach().cpu().float())
             .logical_or(self.log_probs.detach().cpu() == -math.inf)

@@ -41,6 +41,8 @@ def test_valid_tree_passes_and_reports_bounds():
         (lambda t: t.parents.__setitem__(0, 3), "earlier node"),  # forward reference (cycle)
         (lambda t: t.parents.__setitem__(2, -7), "earlier node"),
         (lambda t: t.depths.__setitem__(3, 9), "depths disagree"),
+        (lambda t: t.depths.__setitem__(0, 2), "depths disagree"),  # a root below depth 1
+        (lambda t: t.depths.copy_(torch.tensor([1, 1, 3, 4])), "depths disagree"),  # shifted subtree
         (lambda t: t.log_probs.__setitem__(0, math.nan), "NaN"),
         (lambda t: t.q_probs.__setitem__((0, 0), math.nan), "finite"),
         (lambda t: t.q_probs.__setitem__((1, 1), -0.25), "non-negative"),
@@ -53,6 +55,30 @@ def test_invalid_trees_raise_typed_errors(mutate, match):
     mutate(t)
     with pytest.raises(InvalidRequest, match=match):
         t.validate(vocab_size=50)
+
+
+def test_depth_check_agrees_with_a_walk_from_the_roots():
+    """The vectorised depth check accepts exactly the trees whose depths a root-down walk gives."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        par = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
+        true = []
+        for p in par:
+            true.append(1 if p < 0 else true[p] + 1)
+        dep = list(true)
+        corrupt = bool(torch.rand(1, generator=g) < 0.5)
+        if corrupt:
+            i = int(torch.randint(0, n, (1,), generator=g))
+            dep[i] += int(torch.randint(1, 3, (1,), generator=g)) * (
+                1 if torch.rand(1, generator=g) < 0.5 else -1
+            )
+        t = TokenTree(torch.zeros(n, dtype=torch.long), torch.tensor(par), torch.tensor(dep), torch.zeros(n))
+        if corrupt:
+            with pytest.raises(InvalidRequest, match="depths disagree"):
+                t.validate(vocab_size=5)
+        else:
+            t.validate(vocab_size=5)
 
 
 def test_oversized_and_too_deep_trees_rejected():
