@@ -40,12 +40,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from long_context import _first_function, _stdlib_files, build_prompt  # noqa: E402
 
+from specsplit.attention import ATTENTION_NAME, RECORDER_KWARG, specsplit_attention  # noqa: E402
 from specsplit.engine_common import ModelRunner  # noqa: E402
 from specsplit.kv_cache import StaticKVCache  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
 from specsplit.partial_kv import (  # noqa: E402
-    RECORDER_KWARG,
-    SPECPV_ATTENTION,
     PartialSession,
     QueryRecorder,
     SpecPVConfig,
@@ -53,7 +52,6 @@ from specsplit.partial_kv import (  # noqa: E402
     gather_tokens,
     score_blocks,
     select_blocks,
-    specpv_attention,
 )
 from specsplit.specpv import PartialVerifier  # noqa: E402
 from specsplit.tree import TokenTree  # noqa: E402
@@ -211,13 +209,13 @@ def _capture_attention(runner: ModelRunner, fn: Any) -> dict[int, tuple[torch.Te
 
     def capture(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kw: Any) -> Any:
         got[int(module.layer_idx)] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
-        return specpv_attention(module, query, key, value, attention_mask, **kw)
+        return specsplit_attention(module, query, key, value, attention_mask, **kw)
 
-    AttentionInterface.register(SPECPV_ATTENTION, capture)
+    AttentionInterface.register(ATTENTION_NAME, capture)
     try:
         fn()
     finally:
-        AttentionInterface.register(SPECPV_ATTENTION, specpv_attention)
+        AttentionInterface.register(ATTENTION_NAME, specsplit_attention)
     return got
 
 

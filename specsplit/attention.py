@@ -76,11 +76,12 @@ def folded_attention(
     group = h // hk
     scale = d**-0.5 if scaling is None else scaling
     qf = query.reshape(b, hk, group * n, d)  # row g * n + i of KV head k = query head k * group + g
-    mf = mask.expand(b, 1, n, kv).repeat(1, 1, group, 1)
     if kernel == "math" or (kernel == "auto" and kv >= MATH_MIN_KV):
-        scores = torch.matmul(qf, key.transpose(-1, -2)).float().mul_(scale).add_(mf)
+        scores = torch.matmul(qf, key.transpose(-1, -2)).float().mul_(scale)
+        scores.view(b, hk, group, n, kv).add_(mask[:, :, None])  # mask broadcast over the group, no copy
         out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
-    else:
+    else:  # SDPA wants one mask row per query row: repeat it over the group
+        mf = mask.expand(b, 1, n, kv).repeat(1, 1, group, 1)
         out = torch.nn.functional.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scale)
     return out.reshape(b, h, n, d).transpose(1, 2).contiguous()
 

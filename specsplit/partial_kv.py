@@ -37,15 +37,10 @@ from typing import Any, Literal
 
 import torch
 
-from specsplit.attention import ATTENTION_NAME, install, specsplit_attention
-from specsplit.attention import RECORDER_KWARG as RECORDER_KWARG  # re-exported
 from specsplit.errors import ConfigError
 from specsplit.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
-
-SPECPV_ATTENTION = ATTENTION_NAME  # the attention function SpecPV needs (it records queries)
-specpv_attention = specsplit_attention
 
 
 @dataclass
@@ -183,11 +178,6 @@ class QueryRecorder:
         self.queries[layer_idx] = (
             query[:, :, -self.rows :].detach().clone(memory_format=torch.contiguous_format)
         )
-
-
-def install_attention(model: torch.nn.Module) -> bool:
-    """Make ``model`` call SpecSplit's attention function, which records queries on demand."""
-    return install(model)
 
 
 # ---------------------------------------------------------------------- block summaries and scores

@@ -30,15 +30,11 @@ from typing import Any
 
 import torch
 
+from specsplit.attention import RECORDER_KWARG
+from specsplit.attention import install as install_attention
 from specsplit.engine_common import ModelRunner, h2d
 from specsplit.kv_cache import StaticKVCache
-from specsplit.partial_kv import (
-    RECORDER_KWARG,
-    PartialSession,
-    QueryRecorder,
-    SpecPVConfig,
-    install_attention,
-)
+from specsplit.partial_kv import PartialSession, QueryRecorder, SpecPVConfig
 from specsplit.tree import TokenTree
 from specsplit.tree_attention import build_verify_attention
 

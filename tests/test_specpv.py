@@ -22,10 +22,10 @@ from specsplit import (
     TokenTree,
     TreeConfig,
 )
+from specsplit.attention import ATTENTION_NAME
 from specsplit.config import DraftConfig, TargetConfig
 from specsplit.kv_cache import StaticKVCache
 from specsplit.partial_kv import (
-    SPECPV_ATTENTION,
     BlockSummaries,
     PartialSession,
     SpecPVConfig,
@@ -297,7 +297,7 @@ def test_view_covering_context_equals_full_verification(request, family, tree, p
     plain, plain_stats, _, _ = _run(target, draft, prompt, None, tree=tree)
     assert plain == ref
     out, stats, te, _ = _run(target, draft, prompt, _pv(full_refresh_interval=3, **FULL_VIEW), tree=tree)
-    assert target.config._attn_implementation == SPECPV_ATTENTION
+    assert target.config._attn_implementation == ATTENTION_NAME
     s = te.specpv_stats
     assert s.partial_steps > 0 and s.refreshes >= 2 and s.fallbacks == 0
     assert out == ref
