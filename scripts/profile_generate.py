@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="fuse the graph steps with torch.compile")
+    ap.add_argument("--levels", action="store_true", help="dynamic tree: one graph per level (graph_rounds off)")
+    ap.add_argument("--sort", default="self_cpu_time_total", help="profiler table order, e.g. self_cuda_time_total")
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     ddev = a.draft_device or a.device
@@ -41,14 +44,14 @@ def main() -> None:
     tok = load_tokenizer(a.target)
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=a.tree),
-        draft=DraftConfig(device=ddev, cuda_graphs=a.cuda_graphs),
-        target=TargetConfig(device=a.device, cuda_graphs=a.cuda_graphs),
+        draft=DraftConfig(device=ddev, cuda_graphs=a.cuda_graphs, compile=a.compile, graph_rounds=not a.levels),
+        target=TargetConfig(device=a.device, cuda_graphs=a.cuda_graphs, compile=a.compile),
     )
     prompt = "Write a Python function that checks whether a number is prime, with tests."
     ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True),
               return_tensors="pt", add_special_tokens=False)["input_ids"]  # fmt: skip
     gen = SpecSplitGenerator(target, draft, tokenizer=tok, config=cfg)
-    gen.generate(ids, max_new_tokens=32, min_new_tokens=None)  # warm-up (and graph capture)
+    gen.generate(ids, max_new_tokens=a.tokens, eos_token_id=[])  # warm-up (graph capture, compile)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -77,7 +80,7 @@ def main() -> None:
     with torch.profiler.profile(activities=acts) as prof:
         gen.generate(ids, max_new_tokens=32, eos_token_id=[])
         sync()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by=a.sort, row_limit=25))
     print(json.dumps({"gpu_busy": gpu_busy(prof)}))
     gen.close()
 

@@ -122,6 +122,22 @@ class BenchOptions:
     baseline_repeats: int | None = None  # HF decoders time only this many repeats (None: all)
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
+    dynamic_tree: tuple[int, int, int, int] | None = (
+        None  # (topk, width, budget, depth) of the dynamic decoders
+    )
+
+
+def _dynamic_tree(text: str | None) -> tuple[int, int, int, int] | None:
+    """``"topk,width,budget,depth"`` -> ints (checked by TreeConfig when the decoders are built)."""
+    if not text:
+        return None
+    try:
+        topk, width, budget, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"specsplit bench: --dynamic-tree wants TOPK,WIDTH,BUDGET,DEPTH, got {text!r}"
+        ) from None
+    return topk, width, budget, depth
 
 
 # --------------------------------------------------------------------------------------------- prompts
@@ -300,6 +316,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         opts.sync_timing,
         opts.compile,
         opts.grpc_workers == "process",
+        opts.dynamic_tree,
     )
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
@@ -340,6 +357,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "overlap_draft_device": models.overlap_draft_device,
             "sync_timing": opts.sync_timing,
             "num_draft_tokens": opts.num_draft_tokens,
+            "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
             "grpc_workers": opts.grpc_workers,
@@ -454,6 +472,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--num-draft-tokens", type=int, default=4, help="K for hf-assisted and the SpecSplit chain"
     )
     p.add_argument(
+        "--dynamic-tree",
+        default=None,
+        metavar="TOPK,WIDTH,BUDGET,DEPTH",
+        help="shape of the dynamic-tree decoders (default: TreeConfig's, 4,4,24,6)",
+    )
+    p.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="SpecSplit engines replay fixed-shape steps from CUDA graphs",
@@ -511,6 +535,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         if val not in (None, ""):
             parts += [f"--{opt.replace('_', '-')}", str(val)]
     parts += ["--dtype", args.dtype, "--num-draft-tokens", str(args.num_draft_tokens)]
+    if args.dynamic_tree:
+        parts += ["--dynamic-tree", args.dynamic_tree]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -560,6 +586,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         overlap_draft_device=args.overlap_draft_device,
         sync_timing=args.sync_timing,
     )
+    try:
+        opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)
+    except ValueError as e:
+        print(f"specsplit bench: error: {e}", file=sys.stderr)
+        return 2
     counts = (
         opts.num_draft_tokens,
         opts.max_new_tokens,

@@ -47,7 +47,13 @@ DECODERS = (
 )
 # Selectable, not run by default: the same engines with their CUDA-graph steps fused by torch.compile
 # (compiling takes minutes, on CPU too), to time compiled against plain graphs side by side in one run.
-OPTIONAL_DECODERS = ("specsplit-target-only-compiled", "specsplit-dynamic-compiled")
+# ``-levels``: the dynamic tree with one graph per level (``DraftConfig.graph_rounds=False``), for A/B.
+OPTIONAL_DECODERS = (
+    "specsplit-target-only-compiled",
+    "specsplit-dynamic-compiled",
+    "specsplit-dynamic-levels-compiled",
+    "specsplit-overlap-dynamic-compiled",
+)
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
 BASELINE, ASSISTED = "hf-target", "hf-assisted"
@@ -382,6 +388,7 @@ def build_decoders(
     sync_timing: bool = False,
     compile: bool = False,
     grpc_processes: bool = True,
+    dynamic_tree: tuple[int, int, int, int] | None = None,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -392,6 +399,8 @@ def build_decoders(
         cuda_graphs: SpecSplit engines replay their fixed-shape steps from CUDA graphs
             (``DraftConfig/TargetConfig.cuda_graphs``; eager on CPU).
         compile: SpecSplit engines fuse their static-path forwards with ``torch.compile``.
+        dynamic_tree: ``(topk, width, budget, depth)`` of the dynamic-tree decoders (default
+            :class:`TreeConfig`'s).
         grpc_processes: ``specsplit-grpc`` runs its workers as separate ``specsplit serve``
             processes (real models; the tiny smoke models always run in-process).
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
@@ -407,10 +416,19 @@ def build_decoders(
     trees = {
         "specsplit-chain": TreeConfig(shape="chain", num_draft_tokens=k),
         "specsplit-static": TreeConfig(shape="static"),
-        "specsplit-dynamic": TreeConfig(shape="dynamic"),
+        "specsplit-dynamic": TreeConfig(shape="dynamic")
+        if dynamic_tree is None
+        else TreeConfig(
+            "dynamic",
+            topk=dynamic_tree[0],
+            width=dynamic_tree[1],
+            budget=dynamic_tree[2],
+            max_depth=dynamic_tree[3],
+        ),  # fmt: skip
     }
     trees["specsplit-overlap-chain"] = trees["specsplit-chain"]
     trees["specsplit-overlap-dynamic"] = trees["specsplit-dynamic"]
+    trees["specsplit-dynamic-levels"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -426,6 +444,7 @@ def build_decoders(
     where = f"draft on {m.overlap_draft_device or m.draft_device}, target on {m.device}"
     labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"
     labels["specsplit-overlap-dynamic"] = f"{labels['specsplit-dynamic']}, overlapped pipeline ({where})"
+    labels["specsplit-dynamic-levels"] = f"{labels['specsplit-dynamic']}, one graph per tree level"
     for name in OPTIONAL_DECODERS:  # before the flags' suffix: these always fuse their graphs
         labels[name] = f"{labels[name.removesuffix(COMPILED_SUFFIX)]}, CUDA graphs fused by torch.compile"
     if cuda_graphs or compile:
@@ -468,7 +487,9 @@ def build_decoders(
                 cfg = SpecSplitConfig(
                     tree=copy.deepcopy(trees.get(base, trees["specsplit-chain"])),
                     sync_timing=sync,
-                    draft=DraftConfig(cuda_graphs=graphs, compile=fuse),
+                    draft=DraftConfig(
+                        cuda_graphs=graphs, compile=fuse, graph_rounds=not base.endswith("-levels")
+                    ),
                     target=TargetConfig(cuda_graphs=graphs, compile=fuse),
                     overlap=name.startswith("specsplit-overlap"),
                 )

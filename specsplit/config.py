@@ -17,7 +17,13 @@ from typing import Any, Literal
 
 from specsplit.errors import ConfigError
 from specsplit.partial_kv import SpecPVConfig
-from specsplit.tree import DEFAULT_STATIC_PATHS, StaticTreePlan, chain_plan, static_plan_from_paths
+from specsplit.tree import (
+    DEFAULT_STATIC_PATHS,
+    StaticTreePlan,
+    chain_plan,
+    dynamic_level_widths,
+    static_plan_from_paths,
+)
 
 TreeShape = Literal["chain", "static", "dynamic"]
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -99,6 +105,14 @@ class TreeConfig:
         return self.static_plan().num_nodes
 
     @property
+    def draft_slots(self) -> int:
+        """Cache slots a draft round may write past the committed context: the tree's nodes, or for
+        a dynamic tree every forwarded frontier node when that is more than the budget."""
+        if self.shape == "dynamic":
+            return max(self.budget, sum(dynamic_level_widths(self.topk, self.width, self.max_depth)))
+        return self.max_nodes
+
+    @property
     def depth_limit(self) -> int:
         if self.shape == "dynamic":
             return self.max_depth
@@ -123,6 +137,9 @@ class DraftConfig:
         compile: fuse the static-path forward with ``torch.compile`` (Inductor, default mode)
             before it is captured: fewer, larger kernels per layer. The first calls compile (tens
             of seconds on a GPU host); experimental, off by default.
+        graph_rounds: with ``cuda_graphs``, a dynamic tree's whole growth (every level's forward
+            and the top-k selection between them) is captured as ONE graph per tree shape and KV
+            bucket, instead of one graph per level with eager selection ops in between.
         fold_gqa: tree forwards of a GQA model attend with the group folded into the query rows,
             reading K/V once per KV head instead of copying them to every query head
             (:mod:`specsplit.attention`; same attention, other kernels). Off: transformers' SDPA.
@@ -138,6 +155,7 @@ class DraftConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
+    graph_rounds: bool = True
     fold_gqa: bool = True
     max_tree_nodes: int = 256
     max_tree_depth: int = 64

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -24,7 +25,7 @@ from specsplit.engine_common import (
     sync_device,
 )
 from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
-from specsplit.graphs import Workspace
+from specsplit.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
 from specsplit.kv_cache import StaticKVCache
 from specsplit.sampling import (
     logits_to_probs,
@@ -33,7 +34,7 @@ from specsplit.sampling import (
     truncate_top_k,
 )
 from specsplit.transport import DraftRequest, DraftResult, WorkerInfo, WorkerStats
-from specsplit.tree import StaticTreePlan, TokenTree
+from specsplit.tree import StaticTreePlan, TokenTree, dynamic_level_widths
 from specsplit.tree_attention import ancestor_matrix, bool_mask_to_float, build_verify_attention
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class DraftEngine:
             self.config.max_sessions, self.config.session_ttl_s, "draft-sessions", self._on_evict
         )
         self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
+        self._rounds: dict[tuple[DynamicShape, tuple[object, ...], int], GraphedRound] = {}
         self._workspace = Workspace(
             self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
         )
@@ -193,7 +195,7 @@ class DraftEngine:
         extra = req.tree.depth_limit + 1 if req.speculate else 0  # main path + guessed bonus
         capacity = max(
             min(req.capacity_hint, self.config.max_context),
-            req.prefix_length + len(req.new_token_ids) + extra + req.tree.max_nodes + 8,
+            req.prefix_length + len(req.new_token_ids) + extra + req.tree.draft_slots + 8,
         )
         if req.speculate and (req.new_token_ids or req.prefix_length <= 0):
             raise InvalidRequest("a speculative draft request extends an existing session: "
@@ -208,7 +210,10 @@ class DraftEngine:
                 f"tree of {req.tree.max_nodes} nodes / depth {req.tree.depth_limit} exceeds this draft's "
                 f"limits ({self.config.max_tree_nodes} nodes, depth {self.config.max_tree_depth})"
             )
-        if req.prefix_length + len(req.new_token_ids) + extra + req.tree.max_nodes > self.config.max_context:
+        if (
+            req.prefix_length + len(req.new_token_ids) + extra + req.tree.draft_slots
+            > self.config.max_context
+        ):
             raise ResourceExhausted(f"context would exceed the draft's max_context={self.config.max_context}")
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
@@ -289,9 +294,10 @@ class DraftEngine:
         """Append ``todo`` to the session (one causal forward); the logits after its last token."""
         cache = state.kv_cache
         length = cache.seq_len
-        n_in = req.tree.depth_limit + 1  # the most a round commits: accepted + 1
+        # The most a round commits (accepted + 1), rounded up to 8 so nearby depths share one graph.
+        n_in = -(-(req.tree.depth_limit + 1) // 8) * 8
         t = time.perf_counter()
-        if state.static and len(todo) <= n_in and length + n_in + req.tree.max_nodes <= cache.capacity:
+        if state.static and len(todo) <= n_in and length + n_in + req.tree.draft_slots <= cache.capacity:
             # Padded to a fixed size so the step replays one graph; padding rows see only
             # themselves and write beyond the valid length, where nothing reads them.
             ids = torch.zeros(n_in, dtype=torch.long)
@@ -304,7 +310,7 @@ class DraftEngine:
             logits = out[len(todo) - 1].clone()  # [V]; the graph's buffer is reused
             cache.set_length(length + len(todo))
         else:
-            cache.ensure_capacity(max(capacity, length + len(todo) + req.tree.max_nodes + 8))
+            cache.ensure_capacity(max(capacity, length + len(todo) + req.tree.draft_slots + 8))
             ids = torch.tensor([todo], dtype=torch.long)
             empty = torch.zeros(0, dtype=torch.long)
             mask, pos2d = build_verify_attention(empty, length, len(todo), self.runner.dtype)
@@ -435,72 +441,62 @@ class DraftEngine:
         depth: int,
         stats: WorkerStats,
     ) -> TokenTree:
-        """EAGLE-2 style: expand the top-``width`` candidates of each level by cumulative draft
-        log-probability, then keep the ``budget`` best nodes overall (always a valid tree, since a
-        child's cumulative score never exceeds its parent's). Expansion is deterministic top-k,
-        so ``q`` is one-hot and verification stays lossless under sampling."""
-        dev = self.device
         cfg: TreeConfig = req.tree
-        k, w = cfg.topk, cfg.width
         committed = state.kv_cache.seq_len
-        probs = logits_to_probs(root_logits[None], req.sampling)  # [1, V]
-        vals, ids = torch.topk(probs, k, dim=-1)
-        pool_tok = [ids[0]]
-        pool_score = [vals[0].clamp_min(1e-30).log()]
-        pool_logq = [pool_score[0]]
-        pool_parent = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-        pool_depth = [torch.ones(k, dtype=torch.long, device=dev)]
-        size = k  # pool size so far (host int: shapes are static)
-        level_start, level_len = 0, k
-        fw_slot = torch.full((k + (depth - 1) * w * k,), -1, dtype=torch.long, device=dev)
-        fw_anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)
-        n_fw = 0
-        for d in range(1, depth):
-            cat_score = torch.cat(pool_score)
-            cat_tok = torch.cat(pool_tok)
-            cat_parent = torch.cat(pool_parent)
-            width = min(w, level_len)
-            front = level_start + torch.topk(cat_score[level_start : level_start + level_len], width).indices
-            # Ancestors of the frontier among forwarded nodes: the parent's row plus itself.
-            par_slot = torch.where(cat_parent[front] >= 0, fw_slot[cat_parent[front].clamp_min(0)], -1)
-            grown = torch.zeros(n_fw + width, n_fw + width, dtype=torch.bool, device=dev)
-            grown[:n_fw, :n_fw] = fw_anc
-            if n_fw:
-                grown[n_fw:, :n_fw] = fw_anc[par_slot.clamp_min(0)] & (par_slot >= 0)[:, None]
-            grown[n_fw:, n_fw:] = torch.eye(width, dtype=torch.bool, device=dev)
-            fw_anc = grown
-            fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
-            n_fw += width
-            positions = torch.full((width,), committed + d - 1, dtype=torch.long, device=dev)
-            logits = self._level_forward(
-                state, cat_tok[front], fw_anc[n_fw - width :], positions, committed, stats
-            )
-            probs = logits_to_probs(logits, req.sampling)  # [W, V]
-            vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
-            lq = vals.clamp_min(1e-30).log()
-            pool_tok.append(ids.reshape(-1))
-            pool_logq.append(lq.reshape(-1))
-            pool_score.append((cat_score[front][:, None] + lq).reshape(-1))
-            pool_parent.append(front[:, None].expand(width, k).reshape(-1))
-            pool_depth.append(torch.full((width * k,), d + 1, dtype=torch.long, device=dev))
-            level_start, level_len = size, width * k
-            size += width * k
-        score = torch.cat(pool_score)
-        tok = torch.cat(pool_tok)
-        logq = torch.cat(pool_logq)
-        parent = torch.cat(pool_parent)
-        dep = torch.cat(pool_depth)
-        budget = min(cfg.budget, size)
-        # Best `budget` by score; ties go to the shallower node so parents rank before children.
-        by_depth = torch.sort(dep, stable=True).indices
-        by_score = by_depth[torch.sort(score[by_depth], descending=True, stable=True).indices]
-        chosen = by_score[:budget]
-        bfs = chosen[torch.sort(dep[chosen] * size + chosen).indices]  # BFS order
-        new_index = torch.full((size,), -1, dtype=torch.long, device=dev)
-        new_index[bfs] = torch.arange(budget, device=dev)
-        par = parent[bfs]
-        new_par = torch.where(par >= 0, new_index[par.clamp_min(0)], -1)
-        return TokenTree(tok[bfs], new_par, dep[bfs], logq[bfs], None, None, k, depth)
+        shape = DynamicShape(cfg.topk, cfg.width, cfg.budget, depth)
+        t = time.perf_counter()
+        if state.static and self.config.graph_rounds and depth > 1:
+            static = self._workspace.static
+            end = committed + shape.forwarded
+            if end > static.capacity:
+                raise ResourceExhausted(
+                    f"a tree round needs {end} draft slots; the workspace holds {static.capacity}"
+                )
+            bucket = kv_bucket(end, static.capacity)
+            key = (shape, astuple(req.sampling) if req.sampling.do_sample else (), bucket)
+            rnd = self._rounds.get(key)
+            if rnd is None:
+                rnd = self._tree_round(static, shape, req.sampling, bucket, root_logits)
+                self._rounds[key] = rnd
+            packed, logq = rnd(root_logits, committed)
+            packed, logq = packed.clone(), logq.clone()  # the graph's outputs are reused next round
+            tok, parent, dep = packed.unbind(0)
+            self.runner.forward_count += depth - 1
+            stats.model_time_s += time.perf_counter() - t
+            stats.forwards += depth - 1
+            stats.tokens_processed += shape.forwarded
+        else:
+
+            def level(d: int, tokens: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+                positions = torch.full(
+                    (tokens.shape[0],), committed + d - 1, dtype=torch.long, device=self.device
+                )
+                return self._level_forward(state, tokens, allowed, positions, committed, stats)
+
+            tok, parent, dep, logq = grow_dynamic_tree(root_logits, shape, req.sampling, level)
+        return TokenTree(tok, parent, dep, logq, None, None, cfg.topk, depth)
+
+    def _tree_round(
+        self,
+        static: StaticForward,
+        shape: DynamicShape,
+        sampling: SamplingParams,
+        bucket: int,
+        root: torch.Tensor,
+    ) -> GraphedRound:
+        """A whole dynamic-tree round (every level's forward and the selection) as one graph."""
+        bufs = {w: static.new_buffers(w, bucket) for w in set(shape.widths)}
+
+        def body(root_logits: torch.Tensor, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def level(d: int, tokens: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+                pos = (ctx + (d - 1)).expand(tokens.shape[0])
+                return static.forward_at(bufs[tokens.shape[0]], tokens, pos, ctx, allowed)
+
+            tok, parent, dep, logq = grow_dynamic_tree(root_logits, shape, sampling, level)
+            return torch.stack([tok, parent, dep]), logq
+
+        ctx = torch.zeros((), dtype=torch.long)
+        return GraphedRound(static, body, [root, ctx])
 
     # ------------------------------------------------------------------ misc
     def synchronize(self) -> None:
@@ -546,3 +542,99 @@ def main_path(tree: TokenTree) -> list[int]:
         path.append(tokens[node])
         node = first_child[node + 1]
     return path
+
+
+@dataclass(frozen=True)
+class DynamicShape:
+    """The fixed shape of a dynamic tree round: top-``topk`` children per expanded node, the
+    ``width`` best nodes of each level expanded, ``budget`` nodes kept, ``depth`` levels."""
+
+    topk: int
+    width: int
+    budget: int
+    depth: int
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Nodes forwarded at levels 1 .. depth - 1."""
+        return dynamic_level_widths(self.topk, self.width, self.depth)
+
+    @property
+    def forwarded(self) -> int:
+        return sum(self.widths)
+
+
+def grow_dynamic_tree(
+    root_logits: torch.Tensor,
+    shape: DynamicShape,
+    sampling: SamplingParams,
+    level: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2 style: expand the top-``width`` candidates of each level by cumulative draft
+    log-probability, then keep the ``budget`` best nodes overall (always a valid tree, since a
+    child's cumulative score never exceeds its parent's). Expansion is deterministic top-k, so
+    ``q`` is one-hot and verification stays lossless under sampling.
+
+    Device ops only, with shapes fixed by ``shape``: the same code runs eagerly or captured as one
+    graph. ``level(d, tokens [W], allowed [W, n])`` forwards the ``W`` frontier nodes at depth ``d``
+    (``allowed``: their ancestors among the ``n`` nodes forwarded so far, this level last) and
+    returns their `[W, V]` logits.
+
+    Returns:
+        ``(tokens, parents, depths, log_q)``, each `[min(budget, pool)]`, in BFS order.
+    """
+    dev = root_logits.device
+    k = shape.topk
+    probs = logits_to_probs(root_logits[None], sampling)  # [1, V]
+    vals, ids = torch.topk(probs, k, dim=-1)
+    pool_tok = [ids[0]]
+    pool_score = [vals[0].clamp_min(1e-30).log()]
+    pool_logq = [pool_score[0]]
+    pool_parent = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+    pool_depth = [torch.ones(k, dtype=torch.long, device=dev)]
+    size = k  # pool size so far (host int: shapes are static)
+    level_start, level_len = 0, k
+    fw_slot = torch.full((k + shape.forwarded * k,), -1, dtype=torch.long, device=dev)
+    fw_anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+    n_fw = 0
+    for d, width in enumerate(shape.widths, start=1):
+        cat_score = torch.cat(pool_score)
+        front = level_start + torch.topk(cat_score[level_start : level_start + level_len], width).indices
+        # Ancestors of the frontier among forwarded nodes: the parent's row plus itself.
+        par = torch.cat(pool_parent)[front]
+        par_slot = torch.where(par >= 0, fw_slot[par.clamp_min(0)], -1)
+        grown = torch.zeros(n_fw + width, n_fw + width, dtype=torch.bool, device=dev)
+        grown[:n_fw, :n_fw] = fw_anc
+        if n_fw:
+            grown[n_fw:, :n_fw] = fw_anc[par_slot.clamp_min(0)] & (par_slot >= 0)[:, None]
+        grown[n_fw:, n_fw:] = torch.eye(width, dtype=torch.bool, device=dev)
+        fw_anc = grown
+        fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
+        n_fw += width
+        logits = level(d, torch.cat(pool_tok)[front], fw_anc[n_fw - width :])
+        probs = logits_to_probs(logits, sampling)  # [W, V]
+        vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
+        lq = vals.clamp_min(1e-30).log()
+        pool_tok.append(ids.reshape(-1))
+        pool_logq.append(lq.reshape(-1))
+        pool_score.append((cat_score[front][:, None] + lq).reshape(-1))
+        pool_parent.append(front[:, None].expand(width, k).reshape(-1))
+        pool_depth.append(torch.full((width * k,), d + 1, dtype=torch.long, device=dev))
+        level_start, level_len = size, width * k
+        size += width * k
+    score = torch.cat(pool_score)
+    tok = torch.cat(pool_tok)
+    logq = torch.cat(pool_logq)
+    parent = torch.cat(pool_parent)
+    dep = torch.cat(pool_depth)
+    budget = min(shape.budget, size)
+    # Best `budget` by score; ties go to the shallower node so parents rank before children.
+    by_depth = torch.sort(dep, stable=True).indices
+    by_score = by_depth[torch.sort(score[by_depth], descending=True, stable=True).indices]
+    chosen = by_score[:budget]
+    bfs = chosen[torch.sort(dep[chosen] * size + chosen).indices]  # BFS order
+    new_index = torch.full((size,), -1, dtype=torch.long, device=dev)
+    new_index[bfs] = torch.arange(budget, device=dev)
+    par = parent[bfs]
+    new_par = torch.where(par >= 0, new_index[par.clamp_min(0)], -1)
+    return tok[bfs], new_par, dep[bfs], logq[bfs]

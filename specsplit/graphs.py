@@ -19,6 +19,7 @@ plain eager path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,14 +79,20 @@ class StaticForward:
             with torch.cuda.device(self.device):
                 self._pool = torch.cuda.graph_pool_handle()
         self._neg = torch.finfo(runner.dtype).min
+        self._ctx = torch.zeros((), dtype=torch.long, device=self.device)
         self.captures = 0
         self._step: Any = None
         if compile:
             _raise_recompile_limit(64)  # one graph per (tokens, bucket); shapes go dynamic after two
             self._step = torch.compile(self._model_step)
 
-    def _buffers(self, q: int, kv: int) -> _Buffers:
-        b = self._bufs.get((q, kv))
+    @property
+    def pool(self) -> Any:
+        """The graph memory pool every capture over this workspace shares."""
+        return self._pool
+
+    def _buffers(self, q: int, kv: int, shared: bool = True) -> _Buffers:
+        b = self._bufs.get((q, kv)) if shared else None
         if b is None:
             dev = self.device
             b = _Buffers(
@@ -94,7 +101,8 @@ class StaticForward:
                 mask=torch.zeros(1, 1, q, kv, dtype=self.runner.dtype, device=dev),
                 wpos=torch.arange(self.capacity - q, self.capacity, device=dev),
             )
-            self._bufs[q, kv] = b
+            if shared:
+                self._bufs[q, kv] = b
         return b
 
     def _forward(self, b: _Buffers) -> torch.Tensor:
@@ -147,6 +155,39 @@ class StaticForward:
             "captured a CUDA graph for %d-token forwards over %d key slots", b.ids.shape[1], b.mask.shape[-1]
         )
 
+    def fill(
+        self, b: _Buffers, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, block: torch.Tensor
+    ) -> None:
+        """Write one forward's inputs into ``b`` with device ops only (no host value is read, so
+        this also runs inside a captured graph).
+
+        Args:
+            ids / pos: `[q]` int64 tokens and absolute positions (device).
+            ctx: `[]` int64 committed context length (device): every row attends to ``[0, ctx)``.
+            block: `[q, nb]` bool, which of the slots ``[ctx, ctx + nb)`` each row attends to; the
+                rows are written to slots ``ctx + nb - q .. ctx + nb - 1``.
+        """
+        q, nb = block.shape
+        kv = b.mask.shape[-1]
+        rel = self._arange[:kv] - ctx  # [kv] slot relative to the tree's first slot
+        in_block = (rel >= 0) & (rel < nb)
+        seen = block[:, rel.clamp(0, nb - 1)] & in_block  # [q, kv]
+        b.mask[0, 0].copy_(torch.where(seen | (rel < 0), 0.0, self._neg))
+        b.ids[0].copy_(ids)
+        b.pos[0].copy_(pos)
+        torch.add(self._arange[:q], ctx + (nb - q), out=b.wpos)
+
+    def forward_at(
+        self, b: _Buffers, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, block: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`fill` then one forward over ``b`` (eager; inside a round's captured graph)."""
+        self.fill(b, ids, pos, ctx, block)
+        return self._forward(b)
+
+    def new_buffers(self, q: int, kv: int) -> _Buffers:
+        """Input buffers of a ``q``-token forward over ``kv`` slots that no other step shares."""
+        return self._buffers(q, kv, shared=False)
+
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: int, block: torch.Tensor) -> torch.Tensor:
         """One forward of ``q`` tokens written to slots ``ctx + b - q .. ctx + b - 1``.
@@ -168,13 +209,8 @@ class StaticForward:
         b = self._buffers(q, kv_bucket(end, self.capacity))
         if self.use_graphs and b.graph is None:
             self._capture(b)
-        b.ids[0].copy_(h2d(ids, self.device), non_blocking=True)
-        b.pos[0].copy_(h2d(pos, self.device), non_blocking=True)
-        m = b.mask[0, 0]
-        m.fill_(self._neg)
-        m[:, :ctx] = 0
-        m[:, ctx:end].masked_fill_(h2d(block, self.device), 0)
-        torch.add(self._arange[:q], end - q, out=b.wpos)
+        self._ctx.fill_(ctx)
+        self.fill(b, h2d(ids, self.device), h2d(pos, self.device), self._ctx, h2d(block, self.device))
         if b.graph is not None:
             with torch.cuda.device(self.device):
                 b.graph.replay()
@@ -185,6 +221,56 @@ class StaticForward:
             out = self._forward(b)
         self.cache.set_length(end)
         return out
+
+
+class GraphedRound:
+    """A device-only computation over static input buffers, captured as ONE CUDA graph.
+
+    ``fn(*inputs)`` must read no device value on the host and keep its shapes fixed for fixed
+    input shapes (a whole tree-growth round: several forwards through :meth:`StaticForward.forward_at`
+    and the selection between them). Without graphs (CPU, ``use_graphs=False``) it runs eagerly on
+    the same buffers. The returned tensors are the graph's own: valid until the next call.
+    """
+
+    def __init__(self, static: StaticForward, fn: Callable[..., Any], inputs: Sequence[torch.Tensor]):
+        self.static = static
+        self.fn = fn
+        self.inputs = [torch.empty_like(x, device=static.device) for x in inputs]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+
+    @torch.inference_mode()
+    def __call__(self, *args: torch.Tensor | int) -> Any:
+        for buf, x in zip(self.inputs, args, strict=True):
+            if isinstance(x, torch.Tensor):
+                buf.copy_(x, non_blocking=True)
+            else:
+                buf.fill_(x)
+        if not self.static.use_graphs:
+            return self.fn(*self.inputs)
+        if self.graph is None:
+            with torch.cuda.device(self.static.device):
+                self._capture()
+        assert self.graph is not None
+        with torch.cuda.device(self.static.device):
+            self.graph.replay()
+        return self.outputs
+
+    def _capture(self) -> None:
+        # Warm-up on the real inputs: it writes exactly the slots the replay is about to write.
+        dev = self.static.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.fn(*self.inputs)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.static.pool, stream=stream, capture_error_mode="thread_local"):
+            self.outputs = self.fn(*self.inputs)
+        self.graph = graph
+        self.static.captures += 1
+        logger.info("captured a CUDA graph for a whole round (%d inputs)", len(self.inputs))
 
 
 def _raise_recompile_limit(n: int) -> None:

@@ -149,7 +149,7 @@ def decode(
     out: list[int] = []
     overlap = params.overlap and transport.has_draft
     extra = params.tree.depth_limit + 1 if overlap else 0  # a speculative extension's tokens
-    capacity = len(prompt) + params.max_new_tokens + params.tree.max_nodes + extra + 8
+    capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + 8
     use_draft = transport.has_draft
     draft_prefix, draft_new = 0, list(prompt)
     target_prefix, pending = 0, list(prompt)

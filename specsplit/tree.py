@@ -36,6 +36,17 @@ DEFAULT_STATIC_PATHS: tuple[tuple[int, ...], ...] = (
 )  # fmt: skip
 
 
+def dynamic_level_widths(topk: int, width: int, depth: int) -> tuple[int, ...]:
+    """Frontier nodes a dynamic tree forwards at levels 1 .. depth - 1 (the top-``width`` of the
+    ``topk`` children of the previous level's frontier)."""
+    out: list[int] = []
+    level_len = topk
+    for _ in range(1, depth):
+        out.append(min(width, level_len))
+        level_len = out[-1] * topk
+    return tuple(out)
+
+
 @dataclass
 class TokenNode:
     """Nested (pointer) form of one tree node, as in the original SpecSplit documents."""

@@ -241,6 +241,10 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
             assert d.config.draft.compile and d.config.target.compile
             assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
         assert not decs[0].config.draft.compile and not decs[0].config.target.cuda_graphs
+        by_name = {d.name: d for d in decs}
+        assert not by_name["specsplit-dynamic-levels-compiled"].config.draft.graph_rounds  # the A/B
+        assert by_name["specsplit-dynamic-compiled"].config.draft.graph_rounds
+        assert by_name["specsplit-overlap-dynamic-compiled"].config.overlap
     finally:
         for d in decs:
             d.close()
@@ -286,3 +290,21 @@ def test_smoke_compiled_decoders_stay_exact(tmp_path: Path) -> None:
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
     assert result["summary"]["specsplit-dynamic-compiled"]["overall"]["tau"] > 1.2
+
+
+def test_dynamic_tree_option_sets_the_dynamic_decoders(capsys: pytest.CaptureFixture[str]) -> None:
+    from specsplit.bench_decoders import build_decoders, load_models
+
+    m = load_models(tiny=True, device="cpu")
+    decs, _ = build_decoders(m, ["specsplit-chain", "specsplit-dynamic"], k=3, dynamic_tree=(2, 3, 9, 5))
+    try:
+        chain, dyn = decs
+        t = dyn.config.tree
+        assert (t.shape, t.topk, t.width, t.budget, t.max_depth) == ("dynamic", 2, 3, 9, 5)
+        assert "top-2, width 3, budget 9, depth 5" in dyn.label
+        assert chain.config.tree.shape == "chain"
+    finally:
+        for d in decs:
+            d.close()
+    assert main(["bench", "--suite", "smoke", "--dynamic-tree", "2,3"]) != 0
+    assert "TOPK,WIDTH,BUDGET,DEPTH" in capsys.readouterr().err

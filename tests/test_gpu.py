@@ -84,6 +84,9 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape):
             assert torch.equal(out.sequences, ref)
         assert gen.target_engine._workspace.static.captures >= 1
         assert gen.draft_engine._workspace.static.captures >= 1
+        if shape == "dynamic":  # the whole tree round is one captured graph
+            assert gen.draft_engine._rounds
+            assert all(r.graph is not None for r in gen.draft_engine._rounds.values())
 
 
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])

@@ -114,3 +114,52 @@ def test_compiled_static_path_is_exact(llama_target, llama_draft_random):
     with SpecSplitGenerator(llama_target, llama_draft_random, config=cfg) as gen:
         assert torch.equal(gen.generate(ids, max_new_tokens=24), ref)
         assert gen.target_engine._workspace.static._step is not None
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_dynamic_round_in_one_step_equals_level_by_level(qwen_draft_random, do_sample):
+    """``graph_rounds``: a dynamic tree grown by one device-only round (one CUDA graph on a GPU)
+    is the tree grown level by level, bit for bit, on a fresh context and after new tokens."""
+    from specsplit import DraftEngine, SamplingParams
+    from specsplit.transport import DraftRequest
+
+    tree = TreeConfig(shape="dynamic", topk=3, width=2, budget=10, max_depth=5)
+    sampling = SamplingParams(do_sample=do_sample, temperature=0.7, top_p=0.9)
+    grown = []
+    for rounds in (True, False):
+        eng = DraftEngine(
+            qwen_draft_random, DraftConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=rounds)
+        )
+        trees = [eng.generate(DraftRequest("s", PROMPT, 0, tree=tree, sampling=sampling)).tree]
+        trees.append(eng.generate(DraftRequest("s", [7, 8], len(PROMPT), tree=tree, sampling=sampling)).tree)
+        assert len(eng._rounds) == (1 if rounds else 0)
+        grown.append(trees)
+    for a, b in zip(*grown, strict=True):
+        assert a.num_nodes == 10
+        for name in ("token_ids", "parents", "depths", "log_probs"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_dynamic_shape_widths():
+    from specsplit.draft import DynamicShape
+
+    assert DynamicShape(topk=2, width=5, budget=20, depth=5).widths == (2, 4, 5, 5)
+    assert DynamicShape(topk=4, width=4, budget=24, depth=6).forwarded == 20
+    assert DynamicShape(topk=4, width=4, budget=24, depth=1).widths == ()
+
+
+def test_dynamic_tree_wider_than_its_budget_fits_the_workspace(llama_target, llama_draft_random):
+    """A dynamic tree forwards more frontier nodes (here 56) than it keeps (budget 4): the workspace
+    must be sized for the forwarded ones, or rounds near the end of a session overflow it."""
+    tree = TreeConfig(shape="dynamic", topk=8, width=8, budget=4, max_depth=8)
+    assert tree.draft_slots == 56 and tree.max_nodes == 4
+    ids = torch.tensor([PROMPT])
+    ref = llama_target.generate(ids, max_new_tokens=40, do_sample=False)
+    for capacity in (len(PROMPT) + 40 + 4 + 8, 256):  # too small for 56 slots: eager; roomy: static
+        cfg = SpecSplitConfig(
+            tree=tree,
+            draft=DraftConfig(cuda_graphs=True, graph_capacity=capacity),
+            target=TargetConfig(cuda_graphs=True, graph_capacity=capacity),
+        )
+        with SpecSplitGenerator(llama_target, llama_draft_random, config=cfg) as gen:
+            assert torch.equal(gen.generate(ids, max_new_tokens=40), ref)
