@@ -29,8 +29,12 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--compile", action="store_true", help="fuse the graph steps with torch.compile")
-    ap.add_argument("--levels", action="store_true", help="dynamic tree: one graph per level (graph_rounds off)")
-    ap.add_argument("--sort", default="self_cpu_time_total", help="profiler table order, e.g. self_cuda_time_total")
+    ap.add_argument(
+        "--levels", action="store_true", help="dynamic tree: one graph per level (graph_rounds off)"
+    )
+    ap.add_argument(
+        "--sort", default="self_cpu_time_total", help="profiler table order, e.g. self_cuda_time_total"
+    )
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     ddev = a.draft_device or a.device
@@ -44,7 +48,9 @@ def main() -> None:
     tok = load_tokenizer(a.target)
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=a.tree),
-        draft=DraftConfig(device=ddev, cuda_graphs=a.cuda_graphs, compile=a.compile, graph_rounds=not a.levels),
+        draft=DraftConfig(
+            device=ddev, cuda_graphs=a.cuda_graphs, compile=a.compile, graph_rounds=not a.levels
+        ),
         target=TargetConfig(device=a.device, cuda_graphs=a.cuda_graphs, compile=a.compile),
     )
     prompt = "Write a Python function that checks whether a number is prime, with tests."

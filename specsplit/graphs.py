@@ -12,6 +12,10 @@ session. What makes the shapes static:
   graph per (tokens, bucket);
 - inputs, positions, mask and write positions live in static buffers that are refilled in place.
 
+A :class:`GraphedRound` captures a whole sequence of such forwards and the device-side selection
+between them (a dynamic tree's growth) as ONE graph: every forward's inputs are then written by
+device ops (:meth:`StaticForward.fill`) from a device-resident context length.
+
 On CPU (or with capture disabled) the same static path runs eagerly; tests compare it with the
 plain eager path.
 """
