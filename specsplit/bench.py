@@ -134,9 +134,7 @@ def _dynamic_tree(text: str | None) -> tuple[int, int, int, int] | None:
     try:
         topk, width, budget, depth = (int(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(
-            f"specsplit bench: --dynamic-tree wants TOPK,WIDTH,BUDGET,DEPTH, got {text!r}"
-        ) from None
+        raise ValueError(f"--dynamic-tree wants TOPK,WIDTH,BUDGET,DEPTH, got {text!r}") from None
     return topk, width, budget, depth
 
 
