@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from step_times import copy_bandwidth  # noqa: E402
 
 from specsplit.attention import folded_attention  # noqa: E402
+from specsplit.bench_report import pyplot  # noqa: E402
 
 Attn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -161,13 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot(path: Path, meta: dict[str, object], rows: list[dict[str, object]]) -> bool:
     """Microseconds per layer against the cached tokens, one panel per tree size (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return False
     qs = sorted({int(str(r["q"])) for r in rows})
     fig, axes = plt.subplots(1, len(qs), figsize=(5.5 * len(qs), 4), squeeze=False)

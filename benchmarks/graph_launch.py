@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specsplit.bench_report import pyplot  # noqa: E402
 from specsplit.config import DraftConfig, SamplingParams, TreeConfig  # noqa: E402
 from specsplit.draft import DraftEngine  # noqa: E402
 from specsplit.engine_common import ModelRunner  # noqa: E402
@@ -184,13 +185,8 @@ def report(path: Path) -> None:
         )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{r['model']}\n{r['kind']}\n{'compiled' if r['compile'] else 'graph'}" for r in rows]
     x = range(len(rows))

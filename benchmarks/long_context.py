@@ -49,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from specsplit.bench_report import pyplot  # noqa: E402
 from specsplit.config import DraftConfig, TargetConfig, TreeConfig  # noqa: E402
 from specsplit.draft import DraftEngine  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
@@ -490,12 +491,8 @@ def write_markdown(
 
 
 def plot(path: Path, rows: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     part = sorted((r for r in rows if r["mode"] == "partial"), key=lambda r: r["context"])

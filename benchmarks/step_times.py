@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's specsplit
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -195,13 +198,10 @@ def main() -> None:
 
 def plot(json_path: Path) -> bool:
     """Step ms against the cached tokens, per model and step kind (needs matplotlib)."""
-    try:
-        import matplotlib
+    from specsplit.bench_report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return False
     doc = json.loads(json_path.read_text())
     rows = doc["rows"]

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
 from specsplit.bench_decoders import load_models
+from specsplit.bench_report import pyplot
 from specsplit.config import DraftConfig, TargetConfig
 
 DEFAULT_SHAPES = (
@@ -200,13 +201,8 @@ def write_table(path: Path) -> None:
 
 
 def plot(path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return False
     doc = json.loads(path.read_text())
     rows = doc["rows"]

@@ -369,8 +369,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------- plot
 
 
-def write_plot(result: dict[str, Any], path: Path) -> bool:
-    """Speedup by category per decoder, and acceptance by depth; ``False`` (with a warning) without matplotlib."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (with a warning) without matplotlib."""
     try:
         import matplotlib
 
@@ -378,6 +378,14 @@ def write_plot(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         logger.warning("matplotlib is not installed: no PNG (pip install 'specsplit[bench]')")
+        return None
+    return plt
+
+
+def write_plot(result: dict[str, Any], path: Path) -> bool:
+    """Speedup by category per decoder, and acceptance by depth; ``False`` (with a warning) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return False
     cfg, summary = result["config"], result["summary"]
     decs = [d for d in cfg["decoders"] if d in summary and d != "hf-target"]
