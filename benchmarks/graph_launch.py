@@ -33,6 +33,7 @@ from specsplit.bench_report import pyplot  # noqa: E402
 from specsplit.config import DraftConfig, SamplingParams, TreeConfig  # noqa: E402
 from specsplit.draft import DraftEngine  # noqa: E402
 from specsplit.engine_common import ModelRunner  # noqa: E402
+from specsplit.fused import fuse_projections  # noqa: E402
 from specsplit.graphs import StaticForward  # noqa: E402
 from specsplit.transport import DraftRequest  # noqa: E402
 
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-compile", action="store_true", help="plain graphs only (compiling takes minutes)")
+    ap.add_argument("--fuse", action="store_true", help="also time the models with fused projections")
     ap.add_argument(
         "--from-json", type=Path, default=None, help="only redraw the table and plot of a saved run"
     )
@@ -138,20 +140,27 @@ def main() -> None:
         report(a.from_json)
         return
     device = torch.device(a.device)
-    rows = []
+    rows: list[dict[str, Any]] = []
     modes = [False] if a.no_compile else [False, True]
-    draft = build("draft-0.5b", a.device)
-    target = build("target-1.5b", a.device)
-    for compile in modes:
-        steps = [("draft-0.5b", draft, (1, 4)), ("target-1.5b", target, (1, 25))]
-        if compile:  # each compiled shape costs about a minute: the draft level step only
-            steps = [("draft-0.5b", draft, (4,))]
-        for name, model, qs in steps:
-            for q in qs:
-                rows.append(step_rows(name, model, q, compile, device))
+    fusions = [False, True] if a.fuse else [False]
+    for fuse in fusions:
+        draft, target = build("draft-0.5b", a.device), build("target-1.5b", a.device)
+        if fuse:
+            fuse_projections(draft)
+            fuse_projections(target)
+        for compile in modes:
+            steps = [("draft-0.5b", draft, (1, 4)), ("target-1.5b", target, (1, 25))]
+            if compile:  # each compiled shape costs about a minute: the two steps a round repeats most
+                steps = [("draft-0.5b", draft, (4,)), ("target-1.5b", target, (1,))]
+            for name, model, qs in steps:
+                for q in qs:
+                    rows.append({**step_rows(name, model, q, compile, device), "fused": fuse})
+                    print(json.dumps(rows[-1]), flush=True)
+            if not (compile and fuse):
+                rows.append({**round_row(draft, compile, device, (4, 4, 24, 5)), "fused": fuse})
                 print(json.dumps(rows[-1]), flush=True)
-        rows.append(round_row(draft, compile, device, (4, 4, 24, 5)))
-        print(json.dumps(rows[-1]), flush=True)
+        del draft, target
+        torch.cuda.empty_cache()
     doc = {
         "command": "python benchmarks/graph_launch.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v not in (None, False, "")),
         "machine": torch.cuda.get_device_name(device),
@@ -175,12 +184,13 @@ def report(path: Path) -> None:
         "- launch: host time of `replay()` from an idle GPU; single: one replay from an idle GPU, CUDA events; "
         "gpu: per replay, 20 queued back to back; wall: host wall per replay of those 20",
         "",
-        "| model | forward | compile | launch ms | single ms | gpu ms | wall ms | single − gpu |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | forward | compile | fused q/k/v, gate/up | launch ms | single ms | gpu ms | wall ms | single − gpu |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['kind']} | {'yes' if r['compile'] else 'no'} | {r['launch_ms']:.3f} | "
+            f"| {r['model']} | {r['kind']} | {'yes' if r['compile'] else 'no'} | "
+            f"{'yes' if r.get('fused') else 'no'} | {r['launch_ms']:.3f} | "
             f"{r['single_ms']:.3f} | {r['gpu_ms']:.3f} | {r['wall_ms']:.3f} | {r['single_ms'] - r['gpu_ms']:.3f} |"
         )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -188,7 +198,10 @@ def report(path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-    labels = [f"{r['model']}\n{r['kind']}\n{'compiled' if r['compile'] else 'graph'}" for r in rows]
+    labels = [
+        f"{r['model']}\n{r['kind']}\n{'compiled' if r['compile'] else 'graph'}{' fused' if r.get('fused') else ''}"
+        for r in rows
+    ]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.bar([i - 0.2 for i in x], [r["gpu_ms"] for r in rows], 0.4, label="GPU time per replay")

@@ -47,6 +47,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="attend through transformers' SDPA (repeat_kv) instead of SpecSplit's folded GQA attention",
     )
     p.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
+    )
+    p.add_argument(
         "--overlap",
         action="store_true",
         help="draft the next round while this one verifies (pays with the models on two GPUs)",
@@ -87,6 +92,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sec.compile = True
         if args.no_fold_gqa:
             sec.fold_gqa = False
+        if args.fuse_projections:
+            sec.fuse_projections = True
     if args.overlap:
         cfg.overlap = True
     target = args.target or cfg.target.model or DEFAULT_TARGET

@@ -140,6 +140,9 @@ class DraftConfig:
         graph_rounds: with ``cuda_graphs``, a dynamic tree's whole growth (every level's forward
             and the top-k selection between them) is captured as ONE graph per tree shape and KV
             bucket, instead of one graph per level with eager selection ops in between.
+        fuse_projections: rewrite the model's Llama/Qwen2 layers (in place, for every caller) to
+            compute q/k/v with one GEMM and gate/up with one (:mod:`specsplit.fused`): fewer,
+            larger kernels per layer at batch 1; same weights, no extra memory. Off by default.
         fold_gqa: tree forwards of a GQA model attend with the group folded into the query rows,
             reading K/V once per KV head instead of copying them to every query head
             (:mod:`specsplit.attention`; same attention, other kernels). Off: transformers' SDPA.
@@ -156,6 +159,7 @@ class DraftConfig:
     graph_capacity: int = 2048
     compile: bool = False
     graph_rounds: bool = True
+    fuse_projections: bool = False
     fold_gqa: bool = True
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
@@ -181,8 +185,8 @@ class TargetConfig:
         max_tree_nodes / max_tree_depth: largest tree a request may carry.
         max_context: largest prompt + generation a session may grow to.
         stateless: keep no KV between requests (every request must carry the full context).
-        cuda_graphs / graph_capacity / compile / fold_gqa: as for :class:`DraftConfig` (the verify
-            step of a fixed tree).
+        cuda_graphs / graph_capacity / compile / fuse_projections / fold_gqa: as for
+            :class:`DraftConfig` (the verify step of a fixed tree).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
@@ -202,6 +206,7 @@ class TargetConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
+    fuse_projections: bool = False
     fold_gqa: bool = True
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
 

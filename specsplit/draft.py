@@ -82,6 +82,7 @@ class DraftEngine:
             None,
             self.config.dtype,
             fold_gqa=self.config.fold_gqa,
+            fuse_projections=self.config.fuse_projections,
         )
         self._store = make_store(
             self.config.max_sessions, self.config.session_ttl_s, "draft-sessions", self._on_evict

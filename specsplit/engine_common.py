@@ -55,6 +55,8 @@ class ModelRunner:
         device, device_map, dtype: placement (see the engine configs).
         fold_gqa: forwards fold a GQA model's head groups into the query rows
             (:mod:`specsplit.attention`).
+        fuse_projections: fuse q/k/v and gate/up into one GEMM each (:mod:`specsplit.fused`),
+            in place, once the model is placed.
     """
 
     def __init__(
@@ -65,9 +67,11 @@ class ModelRunner:
         device_map: Any,
         dtype: str,
         fold_gqa: bool = False,
+        fuse_projections: bool = False,
     ):
         self.model = model
         self._fold_gqa = fold_gqa
+        self._fuse = fuse_projections
         self.attention_kwargs: dict[str, Any] = {}  # reach the attention function on every forward
         self.model_name = model_name or (getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         self._device = device
@@ -114,6 +118,10 @@ class ModelRunner:
         self.output_device = model.get_output_embeddings().weight.device
         if self._fold_gqa and gqa_group(model) > 1 and install_attention(model, allow_from=("sdpa",)):
             self.attention_kwargs = {FOLD_KWARG: True}
+        if self._fuse:
+            from specsplit.fused import fuse_projections
+
+            logger.info("fused the projections of %d modules", fuse_projections(model))
 
     def require(self) -> torch.nn.Module:
         if self.model is None:

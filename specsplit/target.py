@@ -89,6 +89,7 @@ class TargetEngine:
             self.config.device_map,
             self.config.dtype,
             fold_gqa=self.config.fold_gqa,
+            fuse_projections=self.config.fuse_projections,
         )
         self._store = make_store(
             self.config.max_sessions, self.config.session_ttl_s, "target-sessions", self._on_evict

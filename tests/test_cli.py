@@ -51,10 +51,11 @@ def test_generate_cli_reports_errors(model_dirs, capsys):
     assert "error" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("attention", [[], ["--no-fold-gqa"]])
+@pytest.mark.parametrize("attention", [[], ["--no-fold-gqa"], ["--fuse-projections"]])
 def test_generate_cli_static_path_and_overlap(model_dirs, llama_target, capsys, attention):
     """--cuda-graphs (the static workspace path; eager on CPU) and --overlap keep HF's output, with
-    SpecSplit's folded GQA attention and with transformers' own (--no-fold-gqa)."""
+    SpecSplit's folded GQA attention, with transformers' own (--no-fold-gqa) and with fused
+    projections (--fuse-projections)."""
     prompt_ids = [9, 4, 41, 7]
     prompt = " ".join(word(i) for i in prompt_ids)
     rc = main([

@@ -490,12 +490,15 @@ def test_serve_engine_options_reach_both_roles() -> None:
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command", required=True))
     default = engine_options(parser.parse_args(["serve", "draft", "--model", "m"]))
-    assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True}
+    assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True, "fuse_projections": False}
     opts = engine_options(parser.parse_args([
         "serve", "target", "--model", "m", "--cuda-graphs", "--no-fold-gqa", "--graph-capacity", "4096",
+        "--fuse-projections",
     ]))  # fmt: skip
-    assert opts == {"cuda_graphs": True, "compile": False, "fold_gqa": False, "graph_capacity": 4096}
+    assert opts == {"cuda_graphs": True, "compile": False, "fold_gqa": False, "fuse_projections": True,
+                    "graph_capacity": 4096}  # fmt: skip
     assert not TargetConfig(**opts).fold_gqa and not DraftConfig(**opts).fold_gqa
+    assert TargetConfig(**opts).fuse_projections and DraftConfig(**opts).fuse_projections
 
 
 def test_serve_specpv_options_reach_the_config() -> None:

@@ -54,6 +54,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="attend through transformers' SDPA (repeat_kv) instead of SpecSplit's folded GQA attention",
     )
+    p.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--specpv", action="store_true", help="target: SpecPV partial verification for long contexts (lossy)"
@@ -120,6 +125,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": args.cuda_graphs,
         "compile": args.compile,
         "fold_gqa": not args.no_fold_gqa,
+        "fuse_projections": args.fuse_projections,
     }
     if args.graph_capacity is not None:
         common["graph_capacity"] = args.graph_capacity
