@@ -63,9 +63,11 @@ def test_device_map_target(tmp_path, llama_target, kind):
     assert out.spec_stats.acceptance_rate > 0.9  # draft == target
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused-projections"])
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
-def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape):
-    """Captured graphs replay the same computation as eager HF decoding (float32)."""
+def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
+    """Captured graphs replay the same computation as eager HF decoding (float32), also with the
+    q/k/v and gate/up projections fused."""
     import copy
 
     ddev, tdev = _devices()
@@ -73,11 +75,15 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape):
     draft = copy.deepcopy(llama_draft_random).to(ddev)
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512),
-        target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512),
+        draft=DraftConfig(
+            device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512, fuse_projections=fuse
+        ),
+        target=TargetConfig(
+            device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512, fuse_projections=fuse
+        ),
     )
     ids = torch.tensor([PROMPTS[0]])
-    ref = target.generate(ids.to(tdev), max_new_tokens=60, do_sample=False).cpu()
+    ref = target.generate(ids.to(tdev), max_new_tokens=60, do_sample=False).cpu()  # before fusing
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         for _ in range(3):
             out = gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True)
