@@ -131,6 +131,15 @@ def _fuse_mlp(mlp: Any) -> bool:
     return True
 
 
+def _hooked_or_offloaded(module: torch.nn.Module) -> bool:
+    """accelerate wraps ``forward`` of hooked modules (device alignment, offload): leave those alone,
+    and any module whose weights are not materialised on a device."""
+    return any(
+        hasattr(m, "_hf_hook") or any(p.device.type == "meta" for p in m.parameters(recurse=False))
+        for m in module.modules()
+    )
+
+
 def fuse_projections(model: torch.nn.Module) -> int:
     """Fuse q/k/v and gate/up of every supported layer of ``model`` in place; how many modules were fused.
 
@@ -142,6 +151,8 @@ def fuse_projections(model: torch.nn.Module) -> int:
         if getattr(module, "_specsplit_fused", False):
             continue
         name = type(module).__name__
+        if name not in ATTENTION_CLASSES + MLP_CLASSES or _hooked_or_offloaded(module):
+            continue
         done = (name in ATTENTION_CLASSES and _fuse_attention(module)) or (
             name in MLP_CLASSES and _fuse_mlp(module)
         )

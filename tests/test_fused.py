@@ -41,6 +41,14 @@ def test_fused_model_computes_the_same_logits(build):
     assert fuse_projections(model) == 0  # idempotent
 
 
+def test_hooked_modules_are_left_alone():
+    """Modules accelerate has hooked (their forward is wrapped for device alignment) keep it."""
+    model = tiny_llama(4)
+    model.model.layers[0].self_attn._hf_hook = object()  # what accelerate's add_hook_to_module sets
+    assert fuse_projections(model) == 2 * model.config.num_hidden_layers - 1
+    assert not hasattr(model.model.layers[0].self_attn, "qkv_weight")
+
+
 def test_unsupported_modules_are_left_alone():
     from transformers import GPT2Config, GPT2LMHeadModel
 
