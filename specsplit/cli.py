@@ -41,6 +41,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --cuda-graphs: fuse those steps with torch.compile first (slow first rounds)",
     )
+    add_model_kernel_flags(p)
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="draft the next round while this one verifies (pays with the models on two GPUs)",
+    )
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
+    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    p.set_defaults(func=_cmd_generate)
+
+
+def add_model_kernel_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose how the engines run a model's layers (``generate`` and ``serve``)."""
     p.add_argument(
         "--no-fold-gqa",
         action="store_true",
@@ -51,15 +65,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
     )
-    p.add_argument(
-        "--overlap",
-        action="store_true",
-        help="draft the next round while this one verifies (pays with the models on two GPUs)",
-    )
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
-    p.add_argument("--json", action="store_true", help="print the stats as JSON")
-    p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ def _fused_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' Llama/Qwen2 attention forward (5.x) with q/k/v from one GEMM."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     modeling = self._specsplit_modeling
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)

@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specsplit.cli import add_model_kernel_flags
+
 if TYPE_CHECKING:
     import torch
 
@@ -49,16 +51,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
     p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
     p.add_argument("--compile", action="store_true", help="fuse the fixed-shape steps with torch.compile")
-    p.add_argument(
-        "--no-fold-gqa",
-        action="store_true",
-        help="attend through transformers' SDPA (repeat_kv) instead of SpecSplit's folded GQA attention",
-    )
-    p.add_argument(
-        "--fuse-projections",
-        action="store_true",
-        help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
-    )
+    add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--specpv", action="store_true", help="target: SpecPV partial verification for long contexts (lossy)"
