@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 1.0
+# A probe of a failed draft waits for the channel to reconnect: longer than its reconnect backoff
+# (at most _BACKOFF_MAX_S plus 20% jitter) and a loaded worker's first answer, short enough that
+# a still-dead draft costs one such wait per draft_retry_interval_s.
+_PROBE_TIMEOUT_S = 3.0
 _END_SESSION_TIMEOUT_S = 5.0  # cleanup only: a lost EndSession is caught by the worker's TTL
 
 
@@ -86,7 +90,7 @@ class GrpcTransport:
         tls_ca_file: PEM file of the CA that signed the workers' certificates; enables TLS.
         max_message_bytes: largest message sent or received.
         draft_retry_interval_s: after the draft worker failed, how long ``has_draft`` stays False
-            before the next probe.
+            before the next probe (a probe waits up to 3 s for the worker to answer).
     """
 
     def __init__(
@@ -158,9 +162,9 @@ class GrpcTransport:
             return True
         if time.monotonic() - down < self.draft_retry_interval_s:
             return False
-        try:  # probe once per interval; a short deadline keeps the property cheap
+        try:  # probe once per interval (see _PROBE_TIMEOUT_S)
             self._call(self._draft, "Ping", pb.PingRequest(client_protocol_version=PROTOCOL_VERSION),
-                       timeout=min(1.0, self.timeout_s), retry=False, wait=True)  # fmt: skip
+                       timeout=min(_PROBE_TIMEOUT_S, self.timeout_s), retry=False, wait=True)  # fmt: skip
         except SpecSplitError:
             with self._lock:
                 self._draft_down_since = time.monotonic()
