@@ -140,6 +140,7 @@ def main() -> None:
         report(a.from_json)
         return
     device = torch.device(a.device)
+    torch.cuda.set_device(device)  # CUDA events record on the current device: make it this one
     rows: list[dict[str, Any]] = []
     modes = [False] if a.no_compile else [False, True]
     fusions = [False, True] if a.fuse else [False]

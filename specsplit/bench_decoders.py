@@ -48,11 +48,15 @@ DECODERS = (
 # Selectable, not run by default: the same engines with their CUDA-graph steps fused by torch.compile
 # (compiling takes minutes, on CPU too), to time compiled against plain graphs side by side in one run.
 # ``-levels``: the dynamic tree with one graph per level (``DraftConfig.graph_rounds=False``), for A/B.
+# ``-split``: sequential rounds with the draft on ``--overlap-draft-device`` (the overlapped decoder's
+# placement without its speculation). ``-grpc-dynamic``: the dynamic tree over gRPC workers.
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
     "specsplit-dynamic-levels-compiled",
     "specsplit-overlap-dynamic-compiled",
+    "specsplit-split-dynamic-compiled",
+    "specsplit-grpc-dynamic-compiled",
 )
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
@@ -321,11 +325,21 @@ def _specsplit_decoder(
 
 
 def _grpc_decoder(
-    m: BenchModels, tree: Any, sync: bool, graphs: bool, compile: bool = False, processes: bool = True
+    m: BenchModels,
+    tree: Any,
+    sync: bool,
+    graphs: bool,
+    compile: bool = False,
+    processes: bool = True,
+    name: str = "specsplit-grpc",
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
     decoder is unavailable."""
+    what = (f"chain K={tree.num_draft_tokens}" if tree.shape == "chain" else
+            f"{tree.shape} tree" + (f" (top-{tree.topk}, width {tree.width}, budget {tree.budget}, "
+                                    f"depth {tree.max_depth})" if tree.shape == "dynamic" else ""))  # fmt: skip
+    what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
     try:
         from specsplit.remote import serve_draft, serve_target
         from specsplit.remote.launch import WorkerProcess
@@ -359,9 +373,8 @@ def _grpc_decoder(
             for w in workers:
                 w.stop()
 
-        plabel = (f"SpecSplit chain K={tree.num_draft_tokens} over gRPC, draft and target workers as "
-                  "separate processes on loopback")  # fmt: skip
-        return _specsplit_decoder("specsplit-grpc", plabel, m, pgen, close_processes, graphs or compile)
+        plabel = f"SpecSplit {what} over gRPC, draft and target workers as separate processes on loopback"
+        return _specsplit_decoder(name, plabel, m, pgen, close_processes, graphs or compile)
 
     d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs, compile=compile))
     t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
@@ -376,8 +389,8 @@ def _grpc_decoder(
         for srv in (d_srv, t_srv):
             srv.stop(grace=1.0, shutdown_engine=True)
 
-    label = f"SpecSplit chain K={tree.num_draft_tokens} over gRPC, both workers in-process on loopback"
-    return _specsplit_decoder("specsplit-grpc", label, m, gen, close, graphs or compile)
+    label = f"SpecSplit {what} over gRPC, both workers in-process on loopback"
+    return _specsplit_decoder(name, label, m, gen, close, graphs or compile)
 
 
 def build_decoders(
@@ -429,6 +442,9 @@ def build_decoders(
     trees["specsplit-overlap-chain"] = trees["specsplit-chain"]
     trees["specsplit-overlap-dynamic"] = trees["specsplit-dynamic"]
     trees["specsplit-dynamic-levels"] = trees["specsplit-dynamic"]
+    trees["specsplit-split-dynamic"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc"] = trees["specsplit-chain"]
+    trees["specsplit-grpc-dynamic"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -445,6 +461,9 @@ def build_decoders(
     labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"
     labels["specsplit-overlap-dynamic"] = f"{labels['specsplit-dynamic']}, overlapped pipeline ({where})"
     labels["specsplit-dynamic-levels"] = f"{labels['specsplit-dynamic']}, one graph per tree level"
+    labels["specsplit-split-dynamic"] = (f"{labels['specsplit-dynamic']}, sequential, draft on "
+                                         f"{m.overlap_draft_device or m.draft_device}, target on {m.device}")  # fmt: skip
+    labels["specsplit-grpc-dynamic"] = f"{labels['specsplit-dynamic']} over gRPC"
     for name in OPTIONAL_DECODERS:  # before the flags' suffix: these always fuse their graphs
         labels[name] = f"{labels[name.removesuffix(COMPILED_SUFFIX)]}, CUDA graphs fused by torch.compile"
     if cuda_graphs or compile:
@@ -471,17 +490,19 @@ def build_decoders(
                 decoders.append(_hf_decoder(name, labels[name], m, assistant_defaults=True))
             elif name == "hf-prompt-lookup":
                 decoders.append(_hf_decoder(name, labels[name], m, lookup=True))
-            elif name == "specsplit-grpc":
-                dec = _grpc_decoder(m, trees["specsplit-chain"], sync, cuda_graphs, compile, grpc_processes)
+            elif base.startswith("specsplit-grpc"):
+                fused = base != name
+                dec = _grpc_decoder(m, trees[base], sync, cuda_graphs or fused, compile or fused,
+                                    grpc_processes, name)  # fmt: skip
                 if isinstance(dec, str):
-                    logger.warning("skipping specsplit-grpc: %s", dec)
+                    logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec
                 else:
                     decoders.append(dec)
             else:
                 fused = base != name  # an OPTIONAL_DECODERS entry: graphs + compile whatever the flags
                 draft = None if base == "specsplit-target-only" else m.draft
-                if name.startswith("specsplit-overlap") and m.overlap_draft is not None:
+                if base.startswith(("specsplit-overlap", "specsplit-split")) and m.overlap_draft is not None:
                     draft = m.overlap_draft
                 graphs, fuse = cuda_graphs or fused, compile or fused
                 cfg = SpecSplitConfig(

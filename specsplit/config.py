@@ -233,7 +233,8 @@ class SpecSplitConfig:
         overlap: draft round N+1 while round N verifies (needs draft and target on different
             devices or machines to pay off; output is identical either way).
         overlap_policy: ``"adaptive"`` (default) times short probes with and without speculation
-            and keeps whichever commits tokens faster, re-probing now and then; ``"always"``
+            and keeps whichever commits tokens faster, re-probing ever less often while the choice
+            holds (the generator keeps what it measured across ``generate()`` calls); ``"always"``
             speculates every round.
         sync_timing: synchronise the device around each span so the draft/verify split in
             telemetry is exact (costs a little speed on GPU).

@@ -43,23 +43,31 @@ class DecodeParams:
     after_draft: Callable[[], None] | None = None  # e.g. a device sync for exact timing
     overlap: bool = False  # draft round N+1 (speculatively) while round N verifies
     overlap_policy: str = "adaptive"  # or "always" (see SpecSplitConfig.overlap_policy)
+    policy: OverlapPolicy | None = None  # kept across calls by the caller; None: a fresh one
 
 
 class OverlapPolicy:
-    """When to speculate in overlapped mode: measure, keep the faster, re-measure now and then.
+    """When to speculate in overlapped mode: measure, keep the faster, re-measure less and less often.
 
     Speculation never changes the committed tokens, only the time they take: whether it pays depends
     on the draft/verify cost ratio and the hit rate, which vary by machine, model pair and prompt. So
     the policy times ``probe`` rounds with speculation and ``probe`` rounds without (wall seconds
     per committed token), holds the faster mode for ``hold`` rounds, then probes the other mode
-    again and compares. ``always=True`` speculates every round.
+    again and compares. Each re-probe that confirms the held mode doubles the hold (up to
+    ``max_hold``), so a mode that keeps losing costs ever fewer rounds; a switch resets it.
+    ``always=True`` speculates every round.
+
+    A :class:`~specsplit.generator.SpecSplitGenerator` keeps one policy per tree shape across
+    ``generate()`` calls, so the probes are paid once per generator, not once per prompt.
     """
 
-    def __init__(self, always: bool = False, probe: int = 6, hold: int = 24):
-        self.always, self.probe, self.hold = always, probe, hold
+    def __init__(self, always: bool = False, probe: int = 6, hold: int = 24, max_hold: int = 768):
+        self.always, self.probe, self.hold, self.max_hold = always, probe, hold, max(max_hold, hold)
         self.cost: dict[bool, float | None] = {True: None, False: None}  # seconds per token
         self.mode, self.left, self.measuring = True, probe, True
         self._time, self._tokens = 0.0, 0
+        self._held: bool | None = None  # the mode held before the current re-probe
+        self._hold_now = hold
 
     def speculate(self) -> bool:
         return self.always or self.mode
@@ -79,13 +87,17 @@ class OverlapPolicy:
             self._time, self._tokens = 0.0, 0
         other = not self.mode
         if self.cost[other] is None or not self.measuring:  # measure the other mode next
+            if not self.measuring:
+                self._held = self.mode
             self.mode, self.left, self.measuring = other, self.probe, True
-        else:  # both measured: hold the faster
-            best = min((True, False), key=lambda m: self.cost[m] or 0.0)
-            if best != self.mode:
-                logger.debug("overlap policy: speculation %s (%.4g vs %.4g s/token)",
-                             "on" if best else "off", self.cost[True], self.cost[False])  # fmt: skip
-            self.mode, self.left, self.measuring = best, self.hold, False
+            return
+        # both measured: hold the faster, longer each time a re-probe confirms it
+        best = min((True, False), key=lambda m: self.cost[m] or 0.0)
+        self._hold_now = min(2 * self._hold_now, self.max_hold) if best == self._held else self.hold
+        if best != self._held:
+            logger.debug("overlap policy: speculation %s (%.4g vs %.4g s/token)",
+                         "on" if best else "off", self.cost[True], self.cost[False])  # fmt: skip
+        self.mode, self.left, self.measuring = best, self._hold_now, False
 
 
 class _StopChecker:
@@ -155,7 +167,7 @@ def decode(
     target_prefix, pending = 0, list(prompt)
     ready: DraftResult | None = None  # next round's tree, drafted speculatively (a hit)
     pool = ThreadPoolExecutor(1, thread_name_prefix="specsplit-verify") if overlap else None
-    policy = OverlapPolicy(always=params.overlap_policy == "always")
+    policy = params.policy or OverlapPolicy(always=params.overlap_policy == "always")
     seeds = _round_seeds(params)
     t_start = time.perf_counter()
     try:

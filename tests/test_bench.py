@@ -237,7 +237,10 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
             assert d.shape_warmup  # a graph per KV bucket: warmed up on every prompt
-            assert "fused by torch.compile" in d.label
+            assert "fused by torch.compile" in d.label, d.label
+            if d.config.transport == "grpc":  # the workers hold the engine configs
+                assert d.name == "specsplit-grpc-dynamic-compiled" and d.config.tree.shape == "dynamic"
+                continue
             assert d.config.draft.compile and d.config.target.compile
             assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
         assert not decs[0].config.draft.compile and not decs[0].config.target.cuda_graphs
@@ -245,6 +248,8 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert not by_name["specsplit-dynamic-levels-compiled"].config.draft.graph_rounds  # the A/B
         assert by_name["specsplit-dynamic-compiled"].config.draft.graph_rounds
         assert by_name["specsplit-overlap-dynamic-compiled"].config.overlap
+        split = by_name["specsplit-split-dynamic-compiled"]
+        assert not split.config.overlap and "sequential, draft on cpu" in split.label
     finally:
         for d in decs:
             d.close()
@@ -253,6 +258,29 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     )
     err = capsys.readouterr().err
     assert "unknown decoders" in err and "specsplit-dynamic-compiled" in err
+
+
+def test_grpc_decoder_runs_a_dynamic_tree_exactly() -> None:
+    """The gRPC decoder takes any tree shape (the bench's ``specsplit-grpc-dynamic-compiled`` runs
+    the dynamic tree over loopback workers) and stays exact; here eager, workers in-process."""
+    import torch
+
+    from specsplit.bench_decoders import _grpc_decoder, load_models
+    from specsplit.config import TreeConfig
+
+    m = load_models(tiny=True, device="cpu")
+    tree = TreeConfig("dynamic", topk=2, width=2, budget=6, max_depth=3)
+    dec = _grpc_decoder(m, tree, sync=False, graphs=False, processes=False, name="specsplit-grpc-dynamic")
+    assert not isinstance(dec, str), dec
+    try:
+        assert dec.name == "specsplit-grpc-dynamic" and "dynamic tree (top-2, width 2, budget 6" in dec.label
+        ids = torch.tensor([[3, 14, 15, 92, 65]])
+        ref = m.target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+        out = dec.run(ids, 12)
+        assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1
+        assert max(d for d, _ in out.rounds) == 3  # dynamic rounds of depth 3, not a chain of K
+    finally:
+        dec.close()
 
 
 def test_warmup_covers_every_prompt_for_shape_capturing_decoders() -> None:

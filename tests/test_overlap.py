@@ -201,6 +201,31 @@ def test_overlap_policy_keeps_the_faster_mode():
     assert all(run(OverlapPolicy(always=True), 9.0, 1.0, 30))
 
 
+def test_overlap_policy_reprobes_less_often_while_its_choice_holds():
+    from specsplit.pipeline import OverlapPolicy
+
+    policy, modes = OverlapPolicy(probe=2, hold=4, max_hold=16), []
+    for _ in range(2 + 2 + 4 + 2 + 8 + 2 + 16 + 2 + 16 + 2):
+        on = policy.speculate()
+        modes.append(on)
+        policy.record(2.0 if on else 1.0, 1)
+    # speculation loses every probe: holds of 4, 8, 16, then capped at 16
+    expect = [True] * 2 + [False] * 2 + [False] * 4 + [True] * 2 + [False] * 8 + [True] * 2
+    expect += [False] * 16 + [True] * 2 + [False] * 16 + [True] * 2
+    assert modes == expect
+    # when the other mode wins a re-probe, the policy switches and the hold starts over
+    policy = OverlapPolicy(probe=2, hold=4)
+    costs = {True: 2.0, False: 1.0}
+    modes = []
+    for i in range(2 + 2 + 4 + 2 + 4):
+        if i == 8:
+            costs = {True: 0.5, False: 1.0}  # speculation became the faster mode
+        on = policy.speculate()
+        modes.append(on)
+        policy.record(costs[on], 1)
+    assert modes == [True] * 2 + [False] * 2 + [False] * 4 + [True] * 2 + [True] * 4
+
+
 class _SlowSpeculation:
     """A LocalTransport whose speculative drafts are slow: speculation cannot pay."""
 
@@ -241,3 +266,26 @@ def test_adaptive_policy_turns_slow_speculation_off(llama_target, noisy_draft):
     assert always.spec_rounds >= len(always.rounds) - 2
     # 6 probe rounds, 6 without, then mostly without (a 6-round re-probe every 24 rounds).
     assert 6 <= adaptive.spec_rounds <= len(adaptive.rounds) // 2
+
+
+def test_generator_keeps_its_overlap_policy_across_calls(llama_target, noisy_draft):
+    """Probes are paid once per generator and tree shape, not once per prompt."""
+    cfg = SpecSplitConfig(tree=TreeConfig(shape="chain", num_draft_tokens=2), overlap=True)
+    with SpecSplitGenerator(llama_target, noisy_draft, config=cfg) as gen:
+        gen.transport = _SlowSpeculation(gen.transport, 0.05)
+        ids = torch.tensor([PROMPTS[0]])
+        first = gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True).spec_stats
+        policy = gen._overlap_policies[(repr(cfg.tree), False)]
+        assert policy.cost[True] is not None and policy.cost[False] is not None
+        assert policy.cost[True] > policy.cost[False]
+        later = [
+            gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True).spec_stats for _ in range(3)
+        ]
+        assert list(gen._overlap_policies) == [(repr(cfg.tree), False)]
+        assert gen._overlap_policies[(repr(cfg.tree), False)] is policy
+        # the first call probed both modes; the later ones mostly hold speculation off
+        assert first.spec_rounds >= 6
+        assert sum(s.spec_rounds for s in later) < sum(len(s.rounds) for s in later) // 3
+        sampled = gen.generate(ids, max_new_tokens=8, do_sample=True, return_dict_in_generate=True)
+        assert sampled.sequences.shape[1] <= ids.shape[1] + 8
+        assert (repr(cfg.tree), True) in gen._overlap_policies  # sampling has its own measurements
