@@ -55,36 +55,46 @@ class OverlapPolicy:
     per committed token), holds the faster mode for ``hold`` rounds, then probes the other mode
     again and compares. Each re-probe that confirms the held mode doubles the hold (up to
     ``max_hold``), so a mode that keeps losing costs ever fewer rounds; a switch resets it.
+    A probe's cost leaves out its stalls: rounds over ``STALL`` times the probe's median round time
+    (a graph capture or a compile on a new shape, a page fault), which say nothing about the mode.
     ``always=True`` speculates every round.
 
     A :class:`~specsplit.generator.SpecSplitGenerator` keeps one policy per tree shape across
     ``generate()`` calls, so the probes are paid once per generator, not once per prompt.
     """
 
+    STALL = 4.0
+
     def __init__(self, always: bool = False, probe: int = 6, hold: int = 24, max_hold: int = 768):
         self.always, self.probe, self.hold, self.max_hold = always, probe, hold, max(max_hold, hold)
         self.cost: dict[bool, float | None] = {True: None, False: None}  # seconds per token
         self.mode, self.left, self.measuring = True, probe, True
-        self._time, self._tokens = 0.0, 0
+        self._rounds: list[tuple[float, int]] = []  # (seconds, tokens) of the probe so far
         self._held: bool | None = None  # the mode held before the current re-probe
         self._hold_now = hold
 
     def speculate(self) -> bool:
         return self.always or self.mode
 
+    def _probe_cost(self) -> float:
+        """Seconds per committed token over the probe's rounds, stalls left out."""
+        times = sorted(t for t, _ in self._rounds)
+        limit = self.STALL * times[(len(times) - 1) // 2]
+        kept = [(t, n) for t, n in self._rounds if t <= limit]
+        return sum(t for t, _ in kept) / max(sum(n for _, n in kept), 1)
+
     def record(self, seconds: float, tokens: int) -> None:
         """One finished round: its wall time and committed tokens."""
         if self.always:
             return
         if self.measuring:
-            self._time += seconds
-            self._tokens += tokens
+            self._rounds.append((seconds, tokens))
         self.left -= 1
         if self.left > 0:
             return
         if self.measuring:
-            self.cost[self.mode] = self._time / max(self._tokens, 1)
-            self._time, self._tokens = 0.0, 0
+            self.cost[self.mode] = self._probe_cost()
+            self._rounds = []
         other = not self.mode
         if self.cost[other] is None or not self.measuring:  # measure the other mode next
             if not self.measuring:

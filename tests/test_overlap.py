@@ -289,3 +289,24 @@ def test_generator_keeps_its_overlap_policy_across_calls(llama_target, noisy_dra
         sampled = gen.generate(ids, max_new_tokens=8, do_sample=True, return_dict_in_generate=True)
         assert sampled.sequences.shape[1] <= ids.shape[1] + 8
         assert (repr(cfg.tree), True) in gen._overlap_policies  # sampling has its own measurements
+
+
+def test_overlap_policy_leaves_a_probes_stalls_out():
+    """A one-off stall (a graph capture, a compile) in a probe must not decide the mode."""
+    from specsplit.pipeline import OverlapPolicy
+
+    policy, modes = OverlapPolicy(probe=4, hold=8), []
+    for i in range(4 + 4 + 8):
+        on = policy.speculate()
+        modes.append(on)
+        seconds = 0.5 if on else 1.0
+        if i == 0:
+            seconds = 30.0  # the first speculative round compiles a new shape
+        policy.record(seconds, 1)
+    assert policy.cost[True] == pytest.approx(0.5) and policy.cost[False] == pytest.approx(1.0)
+    assert modes == [True] * 4 + [False] * 4 + [True] * 8
+    # ordinary spread is not a stall: every round counts
+    policy = OverlapPolicy(probe=4, hold=8)
+    for t in (1.0, 2.0, 3.0, 3.9):
+        policy.record(t, 1)
+    assert policy.cost[True] == pytest.approx((1.0 + 2.0 + 3.0 + 3.9) / 4)
