@@ -9,6 +9,7 @@ unreachable draft turns the rest of the generation into target-only steps (same 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -60,7 +61,8 @@ class OverlapPolicy:
     ``always=True`` speculates every round.
 
     A :class:`~specsplit.generator.SpecSplitGenerator` keeps one policy per tree shape across
-    ``generate()`` calls, so the probes are paid once per generator, not once per prompt.
+    ``generate()`` calls, so the probes are paid once per generator, not once per prompt; calls
+    from several threads share it (``record`` takes a lock).
     """
 
     STALL = 4.0
@@ -72,12 +74,15 @@ class OverlapPolicy:
         self._rounds: list[tuple[float, int]] = []  # (seconds, tokens) of the probe so far
         self._held: bool | None = None  # the mode held before the current re-probe
         self._hold_now = hold
+        self._lock = threading.Lock()
 
     def speculate(self) -> bool:
         return self.always or self.mode
 
     def _probe_cost(self) -> float:
         """Seconds per committed token over the probe's rounds, stalls left out."""
+        if not self._rounds:
+            return float("inf")
         times = sorted(t for t, _ in self._rounds)
         limit = self.STALL * times[(len(times) - 1) // 2]
         kept = [(t, n) for t, n in self._rounds if t <= limit]
@@ -87,6 +92,10 @@ class OverlapPolicy:
         """One finished round: its wall time and committed tokens."""
         if self.always:
             return
+        with self._lock:
+            self._record(seconds, tokens)
+
+    def _record(self, seconds: float, tokens: int) -> None:
         if self.measuring:
             self._rounds.append((seconds, tokens))
         self.left -= 1
