@@ -49,7 +49,8 @@ DECODERS = (
 # (compiling takes minutes, on CPU too), to time compiled against plain graphs side by side in one run.
 # ``-levels``: the dynamic tree with one graph per level (``DraftConfig.graph_rounds=False``), for A/B.
 # ``-split``: sequential rounds with the draft on ``--overlap-draft-device`` (the overlapped decoder's
-# placement without its speculation). ``-grpc-dynamic``: the dynamic tree over gRPC workers.
+# placement without its speculation). ``-grpc-dynamic``: the dynamic tree over gRPC workers;
+# ``-grpc-overlap-dynamic``: the same with the overlapped pipeline (draft worker on the overlap device).
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
@@ -57,6 +58,7 @@ OPTIONAL_DECODERS = (
     "specsplit-overlap-dynamic-compiled",
     "specsplit-split-dynamic-compiled",
     "specsplit-grpc-dynamic-compiled",
+    "specsplit-grpc-overlap-dynamic-compiled",
 )
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
@@ -332,6 +334,7 @@ def _grpc_decoder(
     compile: bool = False,
     processes: bool = True,
     name: str = "specsplit-grpc",
+    overlap: bool = False,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
@@ -340,6 +343,9 @@ def _grpc_decoder(
             f"{tree.shape} tree" + (f" (top-{tree.topk}, width {tree.width}, budget {tree.budget}, "
                                     f"depth {tree.max_depth})" if tree.shape == "dynamic" else ""))  # fmt: skip
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
+    draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
+    if overlap:
+        what += f", overlapped pipeline (draft worker on {draft_device}, target worker on {m.device})"
     try:
         from specsplit.remote import serve_draft, serve_target
         from specsplit.remote.launch import WorkerProcess
@@ -353,7 +359,7 @@ def _grpc_decoder(
     if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
         extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])
         workers = [
-            WorkerProcess("draft", m.draft_name, device=m.draft_device, dtype=m.dtype, args=extra),
+            WorkerProcess("draft", m.draft_name, device=draft_device, dtype=m.dtype, args=extra),
             WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype, args=extra),
         ]
         try:
@@ -365,7 +371,7 @@ def _grpc_decoder(
             raise
         cfg = SpecSplitConfig(transport="grpc", draft_address=workers[0].address,
                               target_address=workers[1].address, tree=copy.deepcopy(tree),
-                              sync_timing=False, timeout_s=600.0)  # fmt: skip
+                              sync_timing=False, timeout_s=600.0, overlap=overlap)  # fmt: skip
         pgen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
         def close_processes() -> None:
@@ -376,12 +382,13 @@ def _grpc_decoder(
         plabel = f"SpecSplit {what} over gRPC, draft and target workers as separate processes on loopback"
         return _specsplit_decoder(name, plabel, m, pgen, close_processes, graphs or compile)
 
-    d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=graphs, compile=compile))
+    draft = m.overlap_draft if overlap and m.overlap_draft is not None else m.draft
+    d_engine = DraftEngine(draft, DraftConfig(cuda_graphs=graphs, compile=compile))
     t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
     t_srv = serve_target(t_engine, port=0, host="127.0.0.1")
     cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
-                          tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0)  # fmt: skip
+                          tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0, overlap=overlap)  # fmt: skip
     gen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
     def close() -> None:
@@ -445,6 +452,7 @@ def build_decoders(
     trees["specsplit-split-dynamic"] = trees["specsplit-dynamic"]
     trees["specsplit-grpc"] = trees["specsplit-chain"]
     trees["specsplit-grpc-dynamic"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc-overlap-dynamic"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -464,6 +472,7 @@ def build_decoders(
     labels["specsplit-split-dynamic"] = (f"{labels['specsplit-dynamic']}, sequential, draft on "
                                          f"{m.overlap_draft_device or m.draft_device}, target on {m.device}")  # fmt: skip
     labels["specsplit-grpc-dynamic"] = f"{labels['specsplit-dynamic']} over gRPC"
+    labels["specsplit-grpc-overlap-dynamic"] = f"{labels['specsplit-dynamic']} over gRPC, overlapped pipeline"
     for name in OPTIONAL_DECODERS:  # before the flags' suffix: these always fuse their graphs
         labels[name] = f"{labels[name.removesuffix(COMPILED_SUFFIX)]}, CUDA graphs fused by torch.compile"
     if cuda_graphs or compile:
@@ -493,7 +502,7 @@ def build_decoders(
             elif base.startswith("specsplit-grpc"):
                 fused = base != name
                 dec = _grpc_decoder(m, trees[base], sync, cuda_graphs or fused, compile or fused,
-                                    grpc_processes, name)  # fmt: skip
+                                    grpc_processes, name, overlap="-overlap" in base)  # fmt: skip
                 if isinstance(dec, str):
                     logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec

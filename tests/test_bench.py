@@ -239,7 +239,8 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
             assert d.shape_warmup  # a graph per KV bucket: warmed up on every prompt
             assert "fused by torch.compile" in d.label, d.label
             if d.config.transport == "grpc":  # the workers hold the engine configs
-                assert d.name == "specsplit-grpc-dynamic-compiled" and d.config.tree.shape == "dynamic"
+                assert d.name.startswith("specsplit-grpc-") and d.config.tree.shape == "dynamic"
+                assert d.config.overlap == ("-overlap-" in d.name)
                 continue
             assert d.config.draft.compile and d.config.target.compile
             assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
@@ -279,6 +280,16 @@ def test_grpc_decoder_runs_a_dynamic_tree_exactly() -> None:
         out = dec.run(ids, 12)
         assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1
         assert max(d for d, _ in out.rounds) == 3  # dynamic rounds of depth 3, not a chain of K
+    finally:
+        dec.close()
+    m.use_overlap_device("cpu")  # the overlapped variant: its own draft copy, speculation on
+    dec = _grpc_decoder(m, tree, sync=False, graphs=False, processes=False, name="x", overlap=True)
+    assert not isinstance(dec, str), dec
+    try:
+        assert "overlapped pipeline (draft worker on cpu" in dec.label and dec.config.overlap
+        out = dec.run(ids, 12)
+        assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1
+        assert out.split_s is not None and out.split_s["spec_rounds"] >= 1  # it did speculate
     finally:
         dec.close()
 
