@@ -233,7 +233,11 @@ class DraftEngine:
             committed = state.kv_cache.seq_len
             depth = req.tree.depth_limit
             if req.max_depth is not None:
-                depth = min(depth, req.max_depth - len(assumed))
+                left = req.max_depth - len(assumed)
+                # On the static path a shallower tree is a new shape for a round or two at the end of
+                # a generation: a graph capture (and a compile under torch.compile) on both sides.
+                # Grow the usual shape there; the caller commits no more than it asked for.
+                depth = min(depth, left) if left <= 0 or not state.static else depth
             try:
                 tree = self._grow(state, root_logits, req, gen, stats, depth)
             finally:

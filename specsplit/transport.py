@@ -48,6 +48,8 @@ class DraftRequest:
         sampling: sampling parameters (shared with the target).
         seed: seed for this round's draft randomness (sampling only).
         max_depth: cap on the tree depth this round (used near ``max_new_tokens``); ``None`` = shape's own.
+            An engine on its static (CUDA-graph) path grows its usual shape anyway unless the cap
+            is 0, so the end of a generation adds no new graph; the caller cuts the commit.
         capacity_hint: total tokens the session may reach (sizes the cache once).
         speculate: overlapped pipeline: instead of ingesting ``new_token_ids`` (which must be
             empty), extend the session by the main path of the tree it drafted last (first child

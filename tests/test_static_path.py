@@ -163,3 +163,38 @@ def test_dynamic_tree_wider_than_its_budget_fits_the_workspace(llama_target, lla
         )
         with SpecSplitGenerator(llama_target, llama_draft_random, config=cfg) as gen:
             assert torch.equal(gen.generate(ids, max_new_tokens=40), ref)
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_end_of_generation_adds_no_new_shapes(llama_target, llama_draft_random, shape, monkeypatch):
+    """Near max_new_tokens the static path keeps the tree's usual shape (a shallower tree would be a
+    new graph, and a new compile, for one round); the output still stops exactly at the limit."""
+    shapes: dict[str, set[int]] = {"draft": set(), "target": set()}
+    orig = StaticForward.run
+
+    def recording(self, ids, pos, ctx, block):
+        role = "target" if self.runner is gen.target_engine.runner else "draft"
+        shapes[role].add(int(block.shape[0]))
+        return orig(self, ids, pos, ctx, block)
+
+    monkeypatch.setattr(StaticForward, "run", recording)
+    tree = TreeConfig(shape=shape, num_draft_tokens=4, topk=2, width=2, budget=6, max_depth=4)
+    cfg = SpecSplitConfig(
+        tree=tree,
+        draft=DraftConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=False),
+        target=TargetConfig(cuda_graphs=True, graph_capacity=256),
+    )
+    ids = torch.tensor([PROMPT])
+    with SpecSplitGenerator(llama_target, llama_target, config=cfg) as gen:
+        for n in (9, 10, 11, 12):  # every remainder modulo a full round (5 tokens) at the end
+            ref = llama_target.generate(ids, max_new_tokens=n, do_sample=False)
+            out = gen.generate(ids, max_new_tokens=n, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref), n
+            assert sum(r.committed for r in out.spec_stats.rounds) == n
+    full = tree.draft_slots if shape == "dynamic" else tree.num_draft_tokens
+    # the target verifies one tree shape (pending + the full tree); a generation whose last round
+    # has one token left takes the target-only step (no tree), the one other shape
+    assert 1 + (tree.budget if shape == "dynamic" else full) in shapes["target"], shapes
+    assert shapes["target"] <= {1, 1 + (tree.budget if shape == "dynamic" else full)}, shapes
+    # the draft: the padded ingest (8 rows) and its level widths only (chain: 1; dynamic: the width)
+    assert shapes["draft"] <= {8, 1, tree.width}, shapes
