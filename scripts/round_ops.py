@@ -4,8 +4,9 @@ At batch 1 on a GPU every such op is a kernel launch (or a small host op) of ~5-
 that the CUDA-graph replays do not cover; a few hundred of them per round are milliseconds on the
 critical path. This runs the static (CUDA-graph) path eagerly on CPU with tiny random models and
 counts, per round, the ops issued by the draft engine, the target engine and the rest (pipeline,
-transport), excluding everything inside a model forward. The counts are the same on a GPU, since
-shapes and control flow do not depend on the device.
+transport), excluding everything inside a model forward and inside a whole-round graph
+(:class:`~specsplit.graphs.GraphedRound`: a dynamic tree's growth, one replay on a GPU). The counts
+are the same on a GPU, since shapes and control flow do not depend on the device.
 
     python scripts/round_ops.py                 # chain, static, dynamic; table on stdout
     python scripts/round_ops.py --json out.json --top 15
@@ -41,7 +42,8 @@ TREES = {
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops by the component active when they run (model forwards are not counted)."""
+    """Counts aten ops by the component active when they run (model forwards and what a GPU run
+    captures in a graph are not counted)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,6 +74,26 @@ def _wrap(counter: OpCounter, obj: Any, name: str, *, where: str | None = None, 
     setattr(obj, name, wrapped)
 
 
+_PLAIN_INIT = graphs_mod.GraphedRound.__init__
+
+
+def _captured_rounds(counter: OpCounter) -> None:
+    """Count nothing inside a :class:`GraphedRound`'s body: on a GPU it replays from one graph (a
+    dynamic tree's whole growth); only the copies of its inputs are launched one by one."""
+
+    def init(self: Any, static: Any, fn: Any, inputs: Any) -> None:
+        def captured(*a: Any) -> Any:
+            counter.in_model += 1
+            try:
+                return fn(*a)
+            finally:
+                counter.in_model -= 1
+
+        _PLAIN_INIT(self, static, captured, inputs)
+
+    graphs_mod.GraphedRound.__init__ = init  # type: ignore[method-assign]
+
+
 def count(shape: str, new_tokens: int, seed: int, noise: float) -> dict[str, Any]:
     target = tiny_llama(seed)
     draft = noisy_copy(target, noise, seed + 1)
@@ -80,11 +102,12 @@ def count(shape: str, new_tokens: int, seed: int, noise: float) -> dict[str, Any
         target=TargetConfig(cuda_graphs=True, graph_capacity=512),
         tree=TREES[shape],
     )
+    counter = OpCounter()
+    _captured_rounds(counter)  # before the warm-up, which builds the round graphs
     gen = SpecSplitGenerator(target, draft, config=cfg)
     prompt = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(seed))
     gen.generate(prompt, max_new_tokens=16, do_sample=False)  # warm-up: sessions, plans, workspaces
 
-    counter = OpCounter()
     _wrap(counter, gen.draft_engine, "generate", where="draft")
     _wrap(counter, gen.target_engine, "verify", where="target")
     _wrap(counter, graphs_mod.StaticForward, "_forward", model=True)  # static-path forwards
@@ -141,7 +164,7 @@ def main() -> None:
     if args.md:
         cmd = "python scripts/round_ops.py " + " ".join(sys.argv[1:])
         head = [
-            "# Host-side ops per decoding round (static path, outside model forwards)",
+            "# Host-side ops per decoding round (static path, outside model forwards and whole-round graphs)",
             "",
             f"- command: `{cmd}`",
             f"- torch {torch.__version__}; tiny random Llama pair (draft = target + noise), greedy, "
