@@ -187,6 +187,10 @@ class TargetConfig:
         stateless: keep no KV between requests (every request must carry the full context).
         cuda_graphs / graph_capacity / compile / fuse_projections / fold_gqa: as for
             :class:`DraftConfig` (the verify step of a fixed tree).
+        graph_rounds: with ``cuda_graphs``, a greedy round's whole verification (tree mask and
+            positions, the forward, acceptance and the KV commit of the accepted path) replays as
+            ONE graph per tree size and KV bucket, instead of the forward alone with eager ops
+            around it. Sampling rounds keep the eager acceptance.
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
@@ -206,6 +210,7 @@ class TargetConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
+    graph_rounds: bool = True
     fuse_projections: bool = False
     fold_gqa: bool = True
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)

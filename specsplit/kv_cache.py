@@ -245,6 +245,20 @@ class StaticKVCache(Cache):
                 layer.values[:, :, start : start + m] = v
             layer.length = start + m
 
+    @property
+    def single_buffer(self) -> bool:
+        """Every layer is a view of one buffer (:meth:`allocate`): :meth:`move_slots` works."""
+        return self._kv is not None
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots ``src`` to slots ``dst`` (`[m]` device int64 each) in every layer, reading all
+        sources before writing: device ops only, so a captured graph can commit an accepted branch
+        whose slots it does not know on the host. Needs the one-buffer layout (:meth:`allocate`);
+        lengths are left alone."""
+        if self._kv is None:
+            raise RuntimeError("move_slots needs the single-buffer layout of allocate()")
+        self._kv.index_copy_(4, dst, self._kv.index_select(4, src))
+
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append without attending (e.g. to preload a prefix computed elsewhere)."""
         self._static_layers[layer_idx].update(key_states, value_states)

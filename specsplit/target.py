@@ -29,8 +29,8 @@ from specsplit.engine_common import (
     make_store,
     sync_device,
 )
-from specsplit.errors import CacheDesyncError, InvalidRequest, SessionNotFound
-from specsplit.graphs import Workspace
+from specsplit.errors import CacheDesyncError, InvalidRequest, ResourceExhausted, SessionNotFound
+from specsplit.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
 from specsplit.kv_cache import StaticKVCache
 from specsplit.partial_kv import PartialSession
 from specsplit.sampling import logits_to_probs, make_generator
@@ -38,7 +38,7 @@ from specsplit.specpv import PartialVerifier, SpecPVStats
 from specsplit.transport import VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
 from specsplit.tree import TokenTree
 from specsplit.tree_attention import ancestor_matrix, build_verify_attention
-from specsplit.verification import verify_greedy, verify_stochastic
+from specsplit.verification import VerifyOutcome, verify_greedy, verify_stochastic
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class TargetEngine:
         self._workspace = Workspace(
             self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
         )
+        self._rounds: dict[tuple[int, int, int, int], GraphedRound] = {}  # see _verify_one_graph
         pv_cfg = self.config.specpv
         use_pv = pv_cfg.enabled and not self.config.stateless
         self._specpv = PartialVerifier(pv_cfg, self.runner) if use_pv else None
@@ -278,6 +279,16 @@ class TargetEngine:
         length = cache.seq_len
         n, p = tree.num_nodes, len(pending)
         cache.ensure_capacity(length + p + n)
+        if (
+            state.static
+            and p == 1
+            and self.config.graph_rounds
+            and not req.sampling.do_sample
+            and self._specpv is None
+            and isinstance(cache, StaticKVCache)
+            and cache.single_buffer
+        ):
+            return self._verify_one_graph(cache, tree, pending, max_branch, max_depth, stats)
         dev = self.device
         tree = tree.to(dev)
         pend = h2d(torch.tensor(pending, dtype=torch.long), dev)
@@ -342,6 +353,84 @@ class TargetEngine:
             num_drafted=max_depth,
             num_nodes=n,
         )
+
+    # ------------------------------------------------------------------ one-graph greedy round
+    def _verify_one_graph(
+        self,
+        cache: StaticKVCache,
+        tree: TokenTree,
+        pending: list[int],
+        max_branch: int,
+        max_depth: int,
+        stats: WorkerStats,
+    ) -> VerifyResult:
+        """A greedy round (mask, forward, acceptance, KV commit) replayed as one graph
+        (``TargetConfig.graph_rounds``); the same tensor functions as the eager path."""
+        static = self._workspace.static
+        length, n = cache.seq_len, tree.num_nodes
+        end = length + 1 + n
+        if end > static.capacity:
+            raise ResourceExhausted(
+                f"a verify round needs {end} slots; the workspace holds {static.capacity}"
+            )
+        key = (n, max_depth, max_branch, kv_bucket(end, static.capacity))
+        rnd = self._rounds.get(key)
+        t = time.perf_counter()
+        pend = h2d(torch.tensor(pending, dtype=torch.long), self.device)
+        if rnd is None:
+            rnd = self._rounds[key] = self._verify_round(
+                static, cache, n, max_depth, max_branch, key[3], pend
+            )
+        forwards = self.runner.forward_count
+        path, count, nxt = rnd(pend, tree.token_ids, tree.parents, tree.depths, length)
+        self.runner.forward_count = forwards + 1  # one forward, replayed or run eagerly
+        nodes, tokens, next_token = VerifyOutcome(path, count, nxt).to_host(rnd.inputs[1])  # the one sync
+        m = len(nodes)
+        cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += 1 + n
+        stats.forwards += 1
+        return VerifyResult(
+            accepted_token_ids=tokens,
+            next_token_id=next_token,
+            accepted_node_indices=nodes,
+            prefix_length=length + 1 + m,
+            num_drafted=max_depth,
+            num_nodes=n,
+        )
+
+    def _verify_round(
+        self,
+        static: StaticForward,
+        cache: StaticKVCache,
+        n: int,
+        max_depth: int,
+        max_branch: int,
+        bucket: int,
+        like: torch.Tensor,
+    ) -> GraphedRound:
+        buf = static.new_buffers(1 + n, bucket)
+        dev = self.device
+        steps = torch.arange(max_depth, device=dev)
+
+        def body(
+            pend: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, ctx: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=dev)
+            block[:, 0] = True
+            if n:
+                block[1:, 1:] = ancestor_matrix(par)
+            pos = torch.cat([ctx.view(1), dep + ctx])  # pending at ctx, a node at ctx + its depth
+            logits = static.forward_at(buf, torch.cat([pend, tok]), pos, ctx, block)
+            outcome = verify_greedy(logits, TokenTree(tok, par, dep, torch.zeros(n, device=dev)), max_depth,
+                                    max_branch)  # fmt: skip
+            if max_depth:  # the accepted nodes' slots follow the pending token's (padding: beyond)
+                cache.move_slots(ctx + 1 + outcome.path.clamp_min(0), ctx + 1 + steps)
+            return outcome.path, outcome.num_accepted, outcome.next_token
+
+        empty = torch.zeros(n, dtype=torch.long, device=dev)
+        ctx = torch.zeros((), dtype=torch.long)
+        return GraphedRound(static, body, [like, empty, empty, empty, ctx])
 
     def synchronize(self) -> None:
         sync_device(self.device)

@@ -93,6 +93,9 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
         if shape == "dynamic":  # the whole tree round is one captured graph
             assert gen.draft_engine._rounds
             assert all(r.graph is not None for r in gen.draft_engine._rounds.values())
+        # the target's greedy round (mask, forward, acceptance, KV commit) is one captured graph
+        assert gen.target_engine._rounds
+        assert all(r.graph is not None for r in gen.target_engine._rounds.values())
 
 
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])

@@ -191,6 +191,7 @@ def test_end_of_generation_adds_no_new_shapes(llama_target, llama_draft_random, 
             out = gen.generate(ids, max_new_tokens=n, return_dict_in_generate=True)
             assert torch.equal(out.sequences, ref), n
             assert sum(r.committed for r in out.spec_stats.rounds) == n
+        shapes["target"] |= {1 + n for n, *_ in gen.target_engine._rounds}  # one-graph greedy rounds
     full = tree.draft_slots if shape == "dynamic" else tree.num_draft_tokens
     # the target verifies one tree shape (pending + the full tree); a generation whose last round
     # has one token left takes the target-only step (no tree), the one other shape
@@ -198,3 +199,54 @@ def test_end_of_generation_adds_no_new_shapes(llama_target, llama_draft_random, 
     assert shapes["target"] <= {1, 1 + (tree.budget if shape == "dynamic" else full)}, shapes
     # the draft: the padded ingest (8 rows) and its level widths only (chain: 1; dynamic: the width)
     assert shapes["draft"] <= {8, 1, tree.width}, shapes
+
+
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+def test_one_graph_verify_round_equals_the_eager_acceptance(llama_target, shape):
+    """``TargetConfig.graph_rounds``: a greedy round's mask, forward, acceptance and KV commit run
+    as one device-only computation (one CUDA graph on a GPU). Same tokens and acceptance as the
+    static path with eager acceptance and as HF ``generate()``, over several sessions, with a
+    draft that is accepted only in part (the accepted nodes must be moved, not just kept)."""
+    from conftest import noisy_copy
+
+    draft = noisy_copy(llama_target, 0.02, seed=11)
+    prompts = [PROMPT, [44, 3, 19, 250, 61, 62, 63, 64, 9]]
+    runs = {}
+    for rounds in (False, True):
+        cfg = SpecSplitConfig(
+            tree=TreeConfig(shape=shape),
+            draft=DraftConfig(cuda_graphs=True, graph_capacity=256),
+            target=TargetConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=rounds),
+        )
+        with SpecSplitGenerator(llama_target, draft, config=cfg) as gen:
+            outs = [gen.generate(torch.tensor([p]), max_new_tokens=40, return_dict_in_generate=True)
+                    for p in prompts]  # fmt: skip
+            assert bool(gen.target_engine._rounds) == rounds
+            runs[rounds] = outs
+    moved = 0
+    for p, eager, graphed in zip(prompts, runs[False], runs[True], strict=True):
+        ref = llama_target.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)
+        assert torch.equal(graphed.sequences, ref) and torch.equal(eager.sequences, ref)
+        assert graphed.spec_stats.accepted_counts() == eager.spec_stats.accepted_counts()
+        for r in graphed.spec_stats.rounds:
+            moved += 0 < r.accepted < r.drafted_depth  # partly accepted rounds
+    assert moved > 0  # the commit had to keep a branch that was not the whole tree
+
+
+def test_one_graph_verify_round_is_off_under_sampling(qwen_target, qwen_draft_random):
+    """Sampling keeps the eager acceptance (its random draws are not captured)."""
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape="static"),
+        draft=DraftConfig(cuda_graphs=True, graph_capacity=256),
+        target=TargetConfig(cuda_graphs=True, graph_capacity=256),
+    )
+    with SpecSplitGenerator(qwen_target, qwen_draft_random, config=cfg) as gen:
+        gen.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=12,
+            do_sample=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+        assert not gen.target_engine._rounds
+        gen.generate(torch.tensor([PROMPT]), max_new_tokens=12)
+        assert gen.target_engine._rounds
