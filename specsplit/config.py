@@ -190,7 +190,8 @@ class TargetConfig:
         graph_rounds: with ``cuda_graphs``, a greedy round's whole verification (tree mask and
             positions, the forward, acceptance and the KV commit of the accepted path) replays as
             ONE graph per tree size and KV bucket, instead of the forward alone with eager ops
-            around it. Sampling rounds keep the eager acceptance.
+            around it. Sampling rounds keep the eager acceptance. Off by default until it has been
+            captured and timed on a GPU (it is exact on CPU, where the same code runs eagerly).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
@@ -210,7 +211,7 @@ class TargetConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
-    graph_rounds: bool = True
+    graph_rounds: bool = False
     fuse_projections: bool = False
     fold_gqa: bool = True
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)

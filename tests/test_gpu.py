@@ -79,7 +79,12 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
             device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512, fuse_projections=fuse
         ),
         target=TargetConfig(
-            device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512, fuse_projections=fuse
+            device=tdev,
+            dtype="float32",
+            cuda_graphs=True,
+            graph_capacity=512,
+            fuse_projections=fuse,
+            graph_rounds=True,  # opt-in until this test has passed on a GPU
         ),
     )
     ids = torch.tensor([PROMPTS[0]])
@@ -99,7 +104,7 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
 
 
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("graphs", [False, True, "target-rounds"])
 def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape, graphs, outcome_reads):
     """Inside a round the only device-to-host read is the verification outcome (one copy)."""
     import copy
@@ -110,8 +115,10 @@ def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape
     reads = outcome_reads
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(device=ddev, cuda_graphs=graphs, graph_capacity=512),
-        target=TargetConfig(device=tdev, cuda_graphs=graphs, graph_capacity=512),
+        draft=DraftConfig(device=ddev, cuda_graphs=bool(graphs), graph_capacity=512),
+        target=TargetConfig(
+            device=tdev, cuda_graphs=bool(graphs), graph_capacity=512, graph_rounds=graphs == "target-rounds"
+        ),
     )
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20)  # prefill, captures

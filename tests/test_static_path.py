@@ -238,7 +238,7 @@ def test_one_graph_verify_round_is_off_under_sampling(qwen_target, qwen_draft_ra
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape="static"),
         draft=DraftConfig(cuda_graphs=True, graph_capacity=256),
-        target=TargetConfig(cuda_graphs=True, graph_capacity=256),
+        target=TargetConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=True),
     )
     with SpecSplitGenerator(qwen_target, qwen_draft_random, config=cfg) as gen:
         gen.generate(
