@@ -326,6 +326,15 @@ def _specsplit_decoder(
     return Decoder(name, label, run, close, config=getattr(gen, "config", None), shape_warmup=shape_warmup)
 
 
+def _tree_words(tree: Any) -> str:
+    """A tree shape in words, for decoder labels."""
+    if tree.shape == "chain":
+        return f"chain of K={tree.num_draft_tokens}"
+    if tree.shape == "static":
+        return f"static tree ({tree.max_nodes} nodes, depth {tree.depth_limit})"
+    return f"dynamic tree (top-{tree.topk}, width {tree.width}, budget {tree.budget}, depth {tree.max_depth})"
+
+
 def _grpc_decoder(
     m: BenchModels,
     tree: Any,
@@ -339,9 +348,7 @@ def _grpc_decoder(
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
     decoder is unavailable."""
-    what = (f"chain K={tree.num_draft_tokens}" if tree.shape == "chain" else
-            f"{tree.shape} tree" + (f" (top-{tree.topk}, width {tree.width}, budget {tree.budget}, "
-                                    f"depth {tree.max_depth})" if tree.shape == "dynamic" else ""))  # fmt: skip
+    what = _tree_words(tree)
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
     draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
     if overlap:
@@ -459,11 +466,9 @@ def build_decoders(
         "hf-assisted-default": "HF assisted generation, library default schedule and confidence threshold",
         "hf-prompt-lookup": f"HF prompt-lookup decoding, {PROMPT_LOOKUP_TOKENS} tokens",
         "specsplit-target-only": "SpecSplit engine without a draft (our target-only decode)",
-        "specsplit-chain": f"SpecSplit local, chain of K={k}",
-        "specsplit-static": f"SpecSplit local, default static tree ({trees['specsplit-static'].max_nodes} nodes, "
-        f"depth {trees['specsplit-static'].depth_limit})",
-        "specsplit-dynamic": "SpecSplit local, dynamic tree (top-{0.topk}, width {0.width}, budget {0.budget}, "
-        "depth {0.max_depth})".format(trees["specsplit-dynamic"]),
+        "specsplit-chain": f"SpecSplit local, {_tree_words(trees['specsplit-chain'])}",
+        "specsplit-static": f"SpecSplit local, default {_tree_words(trees['specsplit-static'])}",
+        "specsplit-dynamic": f"SpecSplit local, {_tree_words(trees['specsplit-dynamic'])}",
     }
     where = f"draft on {m.overlap_draft_device or m.draft_device}, target on {m.device}"
     labels["specsplit-overlap-chain"] = f"{labels['specsplit-chain']}, overlapped pipeline ({where})"

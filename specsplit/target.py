@@ -300,10 +300,7 @@ class TargetEngine:
                 pv_step = self._specpv.forward(state, pending, tree)
                 logits = pv_step.logits
             elif state.static and p == 1:  # steady state: fixed shape, replayed from a CUDA graph
-                block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=dev)
-                block[:, 0] = True
-                block[1:, 1:] = ancestor_matrix(tree.parents)
-                pos = torch.cat([pend.new_zeros(1), tree.depths]) + length
+                pos, block = _one_pending_layout(tree.parents, tree.depths, length)
                 logits = self._workspace.static.run(ids, pos, length, block)  # [N + 1, V]
             else:
                 mask, pos2d = build_verify_attention(tree.parents, length, p, self.runner.dtype)
@@ -376,13 +373,10 @@ class TargetEngine:
         key = (n, max_depth, max_branch, kv_bucket(end, static.capacity))
         rnd = self._rounds.get(key)
         t = time.perf_counter()
-        pend = h2d(torch.tensor(pending, dtype=torch.long), self.device)
         if rnd is None:
-            rnd = self._rounds[key] = self._verify_round(
-                static, cache, n, max_depth, max_branch, key[3], pend
-            )
+            rnd = self._rounds[key] = self._verify_round(static, cache, n, max_depth, max_branch, key[3])
         forwards = self.runner.forward_count
-        path, count, nxt = rnd(pend, tree.token_ids, tree.parents, tree.depths, length)
+        path, count, nxt = rnd(pending[0], tree.token_ids, tree.parents, tree.depths, length)
         self.runner.forward_count = forwards + 1  # one forward, replayed or run eagerly
         nodes, tokens, next_token = VerifyOutcome(path, count, nxt).to_host(rnd.inputs[1])  # the one sync
         m = len(nodes)
@@ -407,7 +401,6 @@ class TargetEngine:
         max_depth: int,
         max_branch: int,
         bucket: int,
-        like: torch.Tensor,
     ) -> GraphedRound:
         buf = static.new_buffers(1 + n, bucket)
         dev = self.device
@@ -416,11 +409,7 @@ class TargetEngine:
         def body(
             pend: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, ctx: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=dev)
-            block[:, 0] = True
-            if n:
-                block[1:, 1:] = ancestor_matrix(par)
-            pos = torch.cat([ctx.view(1), dep + ctx])  # pending at ctx, a node at ctx + its depth
+            pos, block = _one_pending_layout(par, dep, ctx)
             logits = static.forward_at(buf, torch.cat([pend, tok]), pos, ctx, block)
             outcome = verify_greedy(logits, TokenTree(tok, par, dep, torch.zeros(n, device=dev)), max_depth,
                                     max_branch)  # fmt: skip
@@ -430,10 +419,25 @@ class TargetEngine:
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)
         ctx = torch.zeros((), dtype=torch.long)
-        return GraphedRound(static, body, [like, empty, empty, empty, ctx])
+        return GraphedRound(static, body, [torch.zeros(1, dtype=torch.long), empty, empty, empty, ctx])
 
     def synchronize(self) -> None:
         sync_device(self.device)
 
     def __repr__(self) -> str:
         return f"TargetEngine(model={self.runner.model_name!r}, sessions={self.active_sessions})"
+
+
+def _one_pending_layout(
+    parents: torch.Tensor, depths: torch.Tensor, ctx: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and the `[1 + N, 1 + N]` visibility block of one pending token followed by a tree
+    (the pending token at ``ctx``, a node at ``ctx`` + its depth, each row seeing the pending token,
+    itself and its ancestors); device ops only, ``ctx`` a host int or a device scalar."""
+    n = parents.shape[0]
+    block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=parents.device)
+    block[:, 0] = True
+    if n:
+        block[1:, 1:] = ancestor_matrix(parents)
+    pos = torch.cat([depths.new_zeros(1), depths]) + ctx
+    return pos, block
