@@ -377,7 +377,8 @@ class TargetEngine:
             rnd = self._rounds[key] = self._verify_round(static, cache, n, max_depth, max_branch, key[3])
         forwards = self.runner.forward_count
         path, count, nxt = rnd(pending[0], tree.token_ids, tree.parents, tree.depths, length)
-        self.runner.forward_count = forwards + 1  # one forward, replayed or run eagerly
+        if rnd.graph is not None:  # a replay (after a capture that ran the body 3 times): one forward
+            self.runner.forward_count = forwards + 1
         nodes, tokens, next_token = VerifyOutcome(path, count, nxt).to_host(rnd.inputs[1])  # the one sync
         m = len(nodes)
         cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one

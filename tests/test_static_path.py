@@ -219,9 +219,12 @@ def test_one_graph_verify_round_equals_the_eager_acceptance(llama_target, shape)
             target=TargetConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=rounds),
         )
         with SpecSplitGenerator(llama_target, draft, config=cfg) as gen:
+            before = gen.target_engine.forward_count
             outs = [gen.generate(torch.tensor([p]), max_new_tokens=40, return_dict_in_generate=True)
                     for p in prompts]  # fmt: skip
             assert bool(gen.target_engine._rounds) == rounds
+            # one target forward per round (the prefill included), replayed or eager
+            assert gen.target_engine.forward_count - before == sum(len(o.spec_stats.rounds) for o in outs)
             runs[rounds] = outs
     moved = 0
     for p, eager, graphed in zip(prompts, runs[False], runs[True], strict=True):
