@@ -9,7 +9,10 @@ recompilation. Target-only decoding (no draft) on the same engines is the refere
     python benchmarks/tree_sweep.py --device cuda:0 --compile --prompts-per-category 1 \\
         --shapes "target;chain:4;dynamic:4,4,24,6;dynamic:4,4,24,8" --out benchmarks/results
 
-A shape is ``target`` (no draft), ``chain:K`` or ``dynamic:topk,width,budget,depth``.
+A shape is ``target`` (no draft), ``chain:K`` or ``dynamic:topk,width,budget,depth``, optionally
+followed by ``/target-rounds`` (the target verifies a greedy round as one graph,
+``TargetConfig.graph_rounds``). ``--timeline`` also profiles one generation per shape and splits
+its rounds into GPU time per phase and GPU idle time (:mod:`specsplit.profiling`).
 """
 
 from __future__ import annotations
@@ -33,15 +36,28 @@ from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
 from specsplit.bench_decoders import load_models
 from specsplit.bench_report import pyplot
 from specsplit.config import DraftConfig, TargetConfig
+from specsplit.profiling import format_summary, round_timeline
 
 DEFAULT_SHAPES = (
     "target;chain:4;dynamic:4,4,24,4;dynamic:4,4,24,5;dynamic:4,4,24,6;dynamic:4,4,24,7;dynamic:8,4,24,6"
 )
 
 
+FLAGS = ("target-rounds",)
+
+
+def shape_flags(text: str) -> set[str]:
+    """The ``/flag`` suffixes of a shape."""
+    flags = {f.strip() for f in text.split("/")[1:]}
+    bad = flags - set(FLAGS)
+    if bad:
+        raise ValueError(f"unknown shape flag(s) {sorted(bad)} in {text!r}; known: {FLAGS}")
+    return flags
+
+
 def parse_shape(text: str) -> TreeConfig | None:
     """``target`` -> ``None`` (no draft); ``chain:K``; ``dynamic:topk,width,budget,depth``."""
-    kind, _, rest = text.strip().partition(":")
+    kind, _, rest = text.split("/")[0].strip().partition(":")
     if kind == "target":
         return None
     if kind == "chain":
@@ -58,10 +74,15 @@ def sync(device: str) -> None:
 
 
 def run_shape(
-    gen: SpecSplitGenerator, tree: TreeConfig | None, prompts: list[Any], a: argparse.Namespace
+    gen: SpecSplitGenerator,
+    tree: TreeConfig | None,
+    prompts: list[Any],
+    a: argparse.Namespace,
+    flags: set[str] | None = None,
 ) -> dict:
     if tree is not None:
         gen.config.tree = tree
+    gen.transport.target_engine.config.graph_rounds = "target-rounds" in (flags or set())
     kw: dict[str, Any] = dict(max_new_tokens=a.max_new_tokens, eos_token_id=[], return_dict_in_generate=True)
     for p in prompts:  # warm-up: every prompt at full length (captures, compiles)
         gen.generate(torch.tensor([p.input_ids]), **kw)
@@ -79,7 +100,14 @@ def run_shape(
         rounds += len(out.spec_stats.rounds)
         per_prompt.append(n / dt)
         outputs.append(out.sequences[0, len(p.input_ids) :].tolist())
+    timeline = None
+    if a.timeline:  # after the timed runs: the profiler must not slow them down
+        ids = torch.tensor([prompts[0].input_ids])
+        timeline = round_timeline(gen, ids, **{**kw, "return_dict_in_generate": False})
+        print(format_summary(timeline))
+        timeline = timeline["mean"]
     return {
+        "timeline": timeline,
         "tokens_per_s": tokens / seconds,
         "median_prompt_tokens_per_s": statistics.median(per_prompt),
         "tau": tokens / max(rounds, 1),
@@ -100,6 +128,13 @@ def main() -> None:
     ap.add_argument("--prompts-per-category", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--fuse", action="store_true", help="fused q/k/v and gate/up projections (both models)")
+    ap.add_argument(
+        "--attention-kernel", choices=("auto", "math", "sdpa"), default="auto", help="both engines' attention"
+    )
+    ap.add_argument(
+        "--timeline", action="store_true", help="profile one generation per shape: GPU time per phase, idle"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument(
@@ -112,21 +147,32 @@ def main() -> None:
         return
     shapes = [s for s in a.shapes.split(";") if s.strip()]
     trees = [parse_shape(s) for s in shapes]
+    flags = [shape_flags(s) for s in shapes]
     m = load_models(False, a.device, a.draft_device, a.target, a.draft, a.dtype)
     prompts = load_prompts(DEFAULT_PROMPTS, a.prompts_per_category)
     tokenize_prompts(prompts, m.tokenizer)
     graphs = not a.no_cuda_graphs
     cfg = SpecSplitConfig(
-        draft=DraftConfig(cuda_graphs=graphs, compile=a.compile),
-        target=TargetConfig(cuda_graphs=graphs, compile=a.compile),
+        draft=DraftConfig(
+            cuda_graphs=graphs,
+            compile=a.compile,
+            fuse_projections=a.fuse,
+            attention_kernel=a.attention_kernel,
+        ),
+        target=TargetConfig(
+            cuda_graphs=graphs,
+            compile=a.compile,
+            fuse_projections=a.fuse,
+            attention_kernel=a.attention_kernel,
+        ),
     )
     rows = []
     drafted = SpecSplitGenerator(m.target, m.draft, tokenizer=m.tokenizer, config=cfg)
     target_only = SpecSplitGenerator(m.target, None, tokenizer=m.tokenizer, config=copy.deepcopy(cfg))
     try:
-        for text, tree in zip(shapes, trees, strict=True):
+        for text, tree, fl in zip(shapes, trees, flags, strict=True):
             t0 = time.perf_counter()
-            r = run_shape(drafted if tree is not None else target_only, tree, prompts, a)
+            r = run_shape(drafted if tree is not None else target_only, tree, prompts, a, fl)
             r["shape"] = text
             r["sweep_s"] = time.perf_counter() - t0
             rows.append(r)
@@ -136,7 +182,7 @@ def main() -> None:
     finally:
         drafted.close()
         target_only.close()
-    ref = next((r for r in rows if r["shape"] == "target"), None)
+    ref = next((r for r, t in zip(rows, trees, strict=True) if t is None), None)
     ref_outputs = ref["outputs"] if ref is not None else None
     for r in rows:
         outs = r.pop("outputs")
@@ -148,7 +194,8 @@ def main() -> None:
     doc = {
         "command": "python benchmarks/tree_sweep.py "
         + " ".join(
-            f"--{k.replace('_', '-')} {json.dumps(v) if isinstance(v, str) and ';' in v else v}"
+            f"--{k.replace('_', '-')}"
+            + ("" if v is True else f" {json.dumps(v) if isinstance(v, str) and ';' in v else v}")
             for k, v in vars(a).items()
             if v not in (None, False) and k != "from_json"
         ),  # fmt: skip
@@ -161,6 +208,8 @@ def main() -> None:
         "max_new_tokens": a.max_new_tokens,
         "cuda_graphs": graphs,
         "compile": a.compile,
+        "fuse_projections": a.fuse,
+        "attention_kernel": a.attention_kernel,
         "rows": rows,
     }
     a.out.mkdir(parents=True, exist_ok=True)
@@ -184,9 +233,26 @@ def write_table(path: Path) -> None:
         "tokens/s = all new tokens / all timed seconds",
         *([f"- note: {doc['note']}"] if doc.get("note") else []),
         "",
-        "| shape | tokens/s | × target-only | tau | ms/round | prompts equal to target-only |",
-        "|---|---|---|---|---|---|",
     ]
+    timed = any(r.get("timeline") for r in doc["rows"])
+    if doc.get("fuse_projections"):
+        lines.insert(-1, "- fused q/k/v and gate/up projections in both models")
+    if doc.get("attention_kernel", "auto") != "auto":
+        lines.insert(-1, f"- attention kernel `{doc['attention_kernel']}` in both engines")
+    if timed:
+        lines += [
+            "- profile columns: one more generation of the first prompt under the torch profiler "
+            "(`specsplit.profiling`), means per round: GPU busy / idle ms in the round's wall time, then GPU "
+            "ms of the work launched by the draft's ingest, the draft's tree growth and the verification "
+            "(idle is an upper bound: the profiler slows the host)",
+            "",
+        ]
+    head = "| shape | tokens/s | × target-only | tau | ms/round | prompts equal to target-only |"
+    rule = "|---|---|---|---|---|---|"
+    if timed:
+        head += " profiled ms/round | GPU busy / idle | ingest / grow / verify GPU ms |"
+        rule += "---|---|---|"
+    lines += [head, rule]
     for r in doc["rows"]:
         x = f"{r['x_target_only']:.2f}×" if "x_target_only" in r else "–"
         same = (
@@ -194,9 +260,17 @@ def write_table(path: Path) -> None:
             if "same_tokens_as_target_only" in r
             else "–"
         )
-        lines.append(
-            f"| `{r['shape']}` | {r['tokens_per_s']:.1f} | {x} | {r['tau']:.2f} | {r['ms_per_round']:.2f} | {same} |"
-        )
+        row = f"| `{r['shape']}` | {r['tokens_per_s']:.1f} | {x} | {r['tau']:.2f} | {r['ms_per_round']:.2f} | {same} |"
+        t = r.get("timeline")
+        if timed and t:
+            g = t["gpu_ms"]
+            row += (
+                f" {t['wall_ms']:.2f} | {t['gpu_busy_ms']:.2f} / {t['gpu_idle_ms']:.2f} |"
+                f" {g.get('draft.ingest', 0):.2f} / {g.get('draft.grow', 0):.2f} / {g.get('verify', 0):.2f} |"
+            )
+        elif timed:
+            row += " – | – | – |"
+        lines.append(row)
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

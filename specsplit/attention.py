@@ -17,7 +17,11 @@ change). It does nothing new unless a forward passes one of its keyword argument
 switched to it behaves exactly as under ``"sdpa"`` elsewhere (e.g. in HF ``generate()``):
 
 - :data:`FOLD_KWARG` ``=True``: fold GQA for masked forwards of at most :data:`FOLD_MAX_ROWS` rows
-  over at least :data:`FOLD_MIN_KV` cached tokens;
+  over at least :data:`FOLD_MIN_KV` cached tokens; ``="math"``: every masked forward of at most
+  :data:`FOLD_MAX_ROWS` rows attends through the folded matmul kernel, whatever the prefix length
+  (``attention_kernel="math"`` of the engine configs). Under CUDA graphs at short prefixes this is
+  fewer kernels a layer than transformers' SDPA path, which copies K/V to every query head
+  (``repeat_kv``) and, through cuDNN, adds a memset and a launch gap before each attention kernel;
 - :data:`RECORDER_KWARG` ``=recorder``: hand the post-RoPE queries to ``recorder.record`` (SpecPV).
 """
 
@@ -86,11 +90,15 @@ def folded_attention(
     return out.reshape(b, h, n, d).transpose(1, 2).contiguous()
 
 
-def _foldable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def _foldable(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, any_length: bool = False
+) -> bool:
     if mask is None or mask.dim() != 4 or mask.shape[1] != 1 or not mask.is_floating_point():
         return False
     h, hk = query.shape[1], key.shape[1]
-    return h > hk and h % hk == 0 and query.shape[2] <= FOLD_MAX_ROWS and key.shape[2] >= FOLD_MIN_KV
+    if h % hk or query.shape[2] > FOLD_MAX_ROWS:
+        return False
+    return any_length or (h > hk and key.shape[2] >= FOLD_MIN_KV)
 
 
 def specsplit_attention(
@@ -114,9 +122,11 @@ def specsplit_attention(
     layer_idx = getattr(module, "layer_idx", None)
     if recorder is not None and layer_idx is not None:  # missing queries -> full verification later
         recorder.record(int(layer_idx), query)
-    if fold and kwargs.get("dropout", 0.0) == 0.0 and _foldable(query, key, attention_mask):
+    math = fold == "math"
+    if fold and kwargs.get("dropout", 0.0) == 0.0 and _foldable(query, key, attention_mask, any_length=math):
         assert attention_mask is not None
-        return folded_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
+        kernel: Literal["auto", "math"] = "math" if math else "auto"
+        return folded_attention(query, key, value, attention_mask, kwargs.get("scaling"), kernel), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -65,6 +65,13 @@ def add_model_kernel_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
     )
+    p.add_argument(
+        "--attention-kernel",
+        choices=("auto", "math", "sdpa"),
+        default=None,
+        help="tree forwards' attention: math = folded matmul kernel at every prefix length; sdpa = "
+        "transformers' SDPA below 2,048 cached tokens; auto (default) = math with --cuda-graphs, else sdpa",
+    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -99,6 +106,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sec.fold_gqa = False
         if args.fuse_projections:
             sec.fuse_projections = True
+        if args.attention_kernel:
+            sec.attention_kernel = args.attention_kernel
     if args.overlap:
         cfg.overlap = True
     target = args.target or cfg.target.model or DEFAULT_TARGET

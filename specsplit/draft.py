@@ -15,7 +15,7 @@ from dataclasses import astuple, dataclass
 
 import torch
 
-from specsplit.config import DraftConfig, SamplingParams, TreeConfig
+from specsplit.config import DraftConfig, SamplingParams, TreeConfig, resolved_attention_kernel
 from specsplit.engine_common import (
     PROTOCOL_VERSION,
     ModelRunner,
@@ -82,6 +82,7 @@ class DraftEngine:
             None,
             self.config.dtype,
             fold_gqa=self.config.fold_gqa,
+            attention_kernel=resolved_attention_kernel(self.config.attention_kernel, self.config.cuda_graphs),
             fuse_projections=self.config.fuse_projections,
         )
         self._store = make_store(
@@ -89,6 +90,7 @@ class DraftEngine:
         )
         self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
         self._rounds: dict[tuple[DynamicShape, tuple[object, ...], int], GraphedRound] = {}
+        self._ingest_layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._workspace = Workspace(
             self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
         )
@@ -304,14 +306,12 @@ class DraftEngine:
         t = time.perf_counter()
         if state.static and len(todo) <= n_in and length + n_in + req.tree.draft_slots <= cache.capacity:
             # Padded to a fixed size so the step replays one graph; padding rows see only
-            # themselves and write beyond the valid length, where nothing reads them.
-            ids = torch.zeros(n_in, dtype=torch.long)
-            ids[: len(todo)] = torch.tensor(todo, dtype=torch.long)
-            real = torch.arange(n_in) < len(todo)
-            block = torch.ones(n_in, n_in, dtype=torch.bool).tril() & real[None, :]
-            block |= torch.eye(n_in, dtype=torch.bool)
-            pos = torch.arange(length, length + n_in)
-            out = self._workspace.static.run(ids, pos, length, block)
+            # themselves and write beyond the valid length, where nothing reads them. The GPU idles
+            # until this forward is launched (the last round's verification drained it), so its
+            # inputs are one host-to-device copy of the ids; the rest is cached on the device.
+            steps, blocks = self._ingest_layout(n_in)
+            ids = h2d(torch.tensor(todo + [0] * (n_in - len(todo)), dtype=torch.long), self.device)
+            out = self._workspace.static.run(ids, steps + length, length, blocks[len(todo)])
             logits = out[len(todo) - 1].clone()  # [V]; the graph's buffer is reused
             cache.set_length(length + len(todo))
         else:
@@ -326,6 +326,20 @@ class DraftEngine:
         state.cached_prompt_ids.extend(todo)
         state.cached_last_logits = logits
         return logits
+
+    def _ingest_layout(self, n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device tensors of a padded ``n_in``-token ingest: ``arange(n_in)`` and, for every real
+        length ``n``, the `[n_in, n_in]` visibility block (causal among the ``n`` real tokens; a
+        padding row sees itself only)."""
+        key = (n_in, str(self.device))
+        cached = self._ingest_layouts.get(key)
+        if cached is None:
+            real = torch.arange(n_in)[None, :] < torch.arange(n_in + 1)[:, None]  # [n_in + 1, n_in]
+            causal = torch.ones(n_in, n_in, dtype=torch.bool).tril()
+            blocks = (causal[None] & real[:, None, :]) | torch.eye(n_in, dtype=torch.bool)[None]
+            cached = (h2d(torch.arange(n_in), self.device), h2d(blocks, self.device))
+            self._ingest_layouts[key] = cached
+        return cached
 
     # ------------------------------------------------------------------ tree growth
     def _grow(

@@ -57,6 +57,8 @@ class ModelRunner:
             (:mod:`specsplit.attention`).
         fuse_projections: fuse q/k/v and gate/up into one GEMM each (:mod:`specsplit.fused`),
             in place, once the model is placed.
+        attention_kernel: ``"math"``: tree forwards attend through the folded matmul kernel at any
+            prefix length (:mod:`specsplit.attention`); ``"sdpa"``: only from long prefixes on.
     """
 
     def __init__(
@@ -68,10 +70,12 @@ class ModelRunner:
         dtype: str,
         fold_gqa: bool = False,
         fuse_projections: bool = False,
+        attention_kernel: str = "sdpa",
     ):
         self.model = model
         self._fold_gqa = fold_gqa
         self._fuse = fuse_projections
+        self._attention_kernel = attention_kernel
         self.attention_kwargs: dict[str, Any] = {}  # reach the attention function on every forward
         self.model_name = model_name or (getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         self._device = device
@@ -116,8 +120,11 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.input_device = model.get_input_embeddings().weight.device
         self.output_device = model.get_output_embeddings().weight.device
-        if self._fold_gqa and gqa_group(model) > 1 and install_attention(model, allow_from=("sdpa",)):
-            self.attention_kwargs = {FOLD_KWARG: True}
+        math = self._attention_kernel == "math"
+        if (math or (self._fold_gqa and gqa_group(model) > 1)) and install_attention(
+            model, allow_from=("sdpa",)
+        ):
+            self.attention_kwargs = {FOLD_KWARG: "math" if math else True}
         if self._fuse:
             from specsplit.fused import fuse_projections
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.config import SamplingParams, TargetConfig
+from specsplit.config import SamplingParams, TargetConfig, resolved_attention_kernel
 from specsplit.engine_common import (
     PROTOCOL_VERSION,
     ModelRunner,
@@ -89,6 +89,7 @@ class TargetEngine:
             self.config.device_map,
             self.config.dtype,
             fold_gqa=self.config.fold_gqa,
+            attention_kernel=resolved_attention_kernel(self.config.attention_kernel, self.config.cuda_graphs),
             fuse_projections=self.config.fuse_projections,
         )
         self._store = make_store(

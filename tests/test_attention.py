@@ -59,14 +59,22 @@ def test_folded_attention_respects_the_scale_and_every_mask_row():
         torch.testing.assert_close(got[0, 0, h], v[0, h // group, 0])
 
 
-def _spy(monkeypatch) -> list[tuple[int, int]]:
-    monkeypatch.setattr(attn, "FOLD_MIN_KV", 0)  # tiny contexts: fold every tree forward
-    calls: list[tuple[int, int]] = []
+class _Calls(list):
+    kernels: list[str]
+
+
+def _spy(monkeypatch, fold_all: bool = True) -> _Calls:
+    if fold_all:
+        monkeypatch.setattr(attn, "FOLD_MIN_KV", 0)  # tiny contexts: fold every tree forward
+    calls = _Calls()
+    kernels: list[str] = []
+    calls.kernels = kernels
     real = attn.folded_attention
 
-    def spy(q, k, v, mask, scaling=None):
+    def spy(q, k, v, mask, scaling=None, kernel="auto"):
         calls.append((q.shape[2], k.shape[2]))
-        return real(q, k, v, mask, scaling)
+        kernels.append(kernel)
+        return real(q, k, v, mask, scaling, kernel)
 
     monkeypatch.setattr(attn, "folded_attention", spy)
     return calls
@@ -143,3 +151,58 @@ def test_only_gqa_models_on_sdpa_are_switched():
     assert ModelRunner(gqa, None, "cpu", None, "float32", fold_gqa=True).attention_kwargs == {
         attn.FOLD_KWARG: True
     }
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_math_kernel_at_every_length_matches_hf_generate(monkeypatch, graphs, shape):
+    """attention_kernel="math": every tree forward (short prefixes included, default thresholds)
+    goes through the folded matmul kernel, eagerly and on the static path; tokens equal HF's."""
+    target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(5))
+    want = target.generate(ids, max_new_tokens=24, do_sample=False)
+    calls = _spy(monkeypatch, fold_all=False)
+    tree = TreeConfig(shape=shape, num_draft_tokens=3, topk=3, width=3, budget=10, max_depth=4)
+    cfg = SpecSplitConfig(
+        tree=tree,
+        target=TargetConfig(attention_kernel="math", cuda_graphs=graphs),
+        draft=DraftConfig(attention_kernel="math", cuda_graphs=graphs),
+    )
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        assert torch.equal(gen.generate(ids, max_new_tokens=24, do_sample=False), want)
+    assert calls and max(kv for _, kv in calls) < attn.FOLD_MIN_KV  # short prefixes were folded
+    assert set(calls.kernels) == {"math"}
+
+
+def test_math_kernel_also_folds_models_without_gqa():
+    mha = tiny_llama(0)
+    mha.config.num_key_value_heads = mha.config.num_attention_heads
+    runner = ModelRunner(mha, None, "cpu", None, "float32", fold_gqa=True, attention_kernel="math")
+    assert runner.attention_kwargs == {attn.FOLD_KWARG: "math"}
+
+
+def test_attention_kernel_auto_is_math_on_the_static_path_only():
+    from specsplit.config import resolved_attention_kernel
+
+    assert resolved_attention_kernel("auto", cuda_graphs=True) == "math"
+    assert resolved_attention_kernel("auto", cuda_graphs=False) == "sdpa"
+    assert resolved_attention_kernel("sdpa", cuda_graphs=True) == "sdpa"
+    gqa = tiny_llama(3)
+    from specsplit.draft import DraftEngine
+
+    assert DraftEngine(gqa, DraftConfig(cuda_graphs=True)).runner.attention_kwargs == {
+        attn.FOLD_KWARG: "math"
+    }
+    assert DraftEngine(gqa, DraftConfig()).runner.attention_kwargs == {attn.FOLD_KWARG: True}
+    assert DraftEngine(
+        gqa, DraftConfig(attention_kernel="sdpa", cuda_graphs=True)
+    ).runner.attention_kwargs == {attn.FOLD_KWARG: True}
+
+
+def test_attention_kernel_is_checked():
+    from specsplit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        TargetConfig(attention_kernel="flash")
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        DraftConfig(attention_kernel="")

@@ -63,11 +63,12 @@ def test_device_map_target(tmp_path, llama_target, kind):
     assert out.spec_stats.acceptance_rate > 0.9  # draft == target
 
 
+@pytest.mark.parametrize("kernel", ["auto", "math"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused-projections"])
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
-def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
+def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, kernel):
     """Captured graphs replay the same computation as eager HF decoding (float32), also with the
-    q/k/v and gate/up projections fused."""
+    q/k/v and gate/up projections fused and with the folded matmul attention at every length."""
     import copy
 
     ddev, tdev = _devices()
@@ -76,7 +77,12 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
         draft=DraftConfig(
-            device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512, fuse_projections=fuse
+            device=ddev,
+            dtype="float32",
+            cuda_graphs=True,
+            graph_capacity=512,
+            fuse_projections=fuse,
+            attention_kernel=kernel,
         ),
         target=TargetConfig(
             device=tdev,
@@ -84,7 +90,8 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse):
             cuda_graphs=True,
             graph_capacity=512,
             fuse_projections=fuse,
-            graph_rounds=True,  # opt-in until this test has passed on a GPU
+            attention_kernel=kernel,
+            graph_rounds=True,  # opt-in
         ),
     )
     ids = torch.tensor([PROMPTS[0]])

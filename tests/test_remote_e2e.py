@@ -493,12 +493,13 @@ def test_serve_engine_options_reach_both_roles() -> None:
     assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True, "fuse_projections": False}
     opts = engine_options(parser.parse_args([
         "serve", "target", "--model", "m", "--cuda-graphs", "--no-fold-gqa", "--graph-capacity", "4096",
-        "--fuse-projections",
+        "--fuse-projections", "--attention-kernel", "math",
     ]))  # fmt: skip
     assert opts == {"cuda_graphs": True, "compile": False, "fold_gqa": False, "fuse_projections": True,
-                    "graph_capacity": 4096}  # fmt: skip
+                    "graph_capacity": 4096, "attention_kernel": "math"}  # fmt: skip
     assert not TargetConfig(**opts).fold_gqa and not DraftConfig(**opts).fold_gqa
     assert TargetConfig(**opts).fuse_projections and DraftConfig(**opts).fuse_projections
+    assert TargetConfig(**opts).attention_kernel == DraftConfig(**opts).attention_kernel == "math"
 
 
 def test_serve_specpv_options_reach_the_config() -> None:

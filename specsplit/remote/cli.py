@@ -120,6 +120,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "fold_gqa": not args.no_fold_gqa,
         "fuse_projections": args.fuse_projections,
     }
+    if args.attention_kernel:
+        common["attention_kernel"] = args.attention_kernel
     if args.graph_capacity is not None:
         common["graph_capacity"] = args.graph_capacity
     if args.max_sessions is not None:
