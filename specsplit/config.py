@@ -198,8 +198,9 @@ class TargetConfig:
         graph_rounds: with ``cuda_graphs``, a greedy round's whole verification (tree mask and
             positions, the forward, acceptance and the KV commit of the accepted path) replays as
             ONE graph per tree size and KV bucket, instead of the forward alone with eager ops
-            around it. Sampling rounds keep the eager acceptance. Off by default until it has been
-            captured and timed on a GPU (it is exact on CPU, where the same code runs eagerly).
+            around it. Sampling rounds keep the eager acceptance. Exact on CPU and on an H100
+            (``tests/test_gpu.py``); off by default because its speed-up there was within run-to-run
+            noise (``benchmarks/results/tree_sweep-h100-*.md``).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).

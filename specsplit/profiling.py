@@ -57,20 +57,12 @@ def _resolve(root: Any, path: str) -> Any:
 
 
 @contextlib.contextmanager
-def annotate_phases(generator: Any) -> Iterator[None]:
-    """Wrap the pipeline's phases of ``generator`` (a SpecSplitGenerator over a LocalTransport)
-    in profiler ranges named ``specsplit.<phase>``; restored on exit."""
+def _wrapped(generator: Any, points: tuple[tuple[str, str, str], ...], wrap: Any) -> Iterator[None]:
+    """Replace each ``(attribute path, method, label)`` of ``generator`` that exists by
+    ``wrap(method, label)`` (an instance attribute), removed again on exit."""
     patched: list[tuple[Any, str]] = []
-
-    def wrap(fn: Any, label: str) -> Any:
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            with torch.profiler.record_function(PREFIX + label):
-                return fn(*args, **kwargs)
-
-        return inner
-
     try:
-        for path, method, label in _PHASES:
+        for path, method, label in points:
             obj = _resolve(generator, path)
             if obj is None or not hasattr(obj, method):
                 continue
@@ -80,6 +72,22 @@ def annotate_phases(generator: Any) -> Iterator[None]:
     finally:
         for obj, method in patched:
             delattr(obj, method)  # the instance attribute shadowed the class's method
+
+
+@contextlib.contextmanager
+def annotate_phases(generator: Any) -> Iterator[None]:
+    """Wrap the pipeline's phases of ``generator`` (a SpecSplitGenerator over a LocalTransport)
+    in profiler ranges named ``specsplit.<phase>``; restored on exit."""
+
+    def wrap(fn: Any, label: str) -> Any:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(PREFIX + label):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    with _wrapped(generator, _PHASES, wrap):
+        yield
 
 
 # Host-side timing points (no profiler): the phases above plus what runs inside them.
@@ -98,7 +106,6 @@ def host_times(generator: Any) -> Iterator[dict[str, list[float]]]:
     Besides the phases of :func:`annotate_phases`: each engine's static forward (``*.static_run``),
     the target's locked verification, and every CUDA graph replay (``graph.replay``)."""
     acc: dict[str, list[float]] = {}
-    patched: list[tuple[Any, str]] = []
 
     def wrap(fn: Any, label: str) -> Any:
         cell = acc.setdefault(label, [0.0, 0])
@@ -114,19 +121,12 @@ def host_times(generator: Any) -> Iterator[dict[str, list[float]]]:
         return inner
 
     replay = torch.cuda.CUDAGraph.replay
-    try:
-        for path, method, label in _HOST_POINTS:
-            obj = _resolve(generator, path)
-            if obj is None or not hasattr(obj, method):
-                continue
-            setattr(obj, method, wrap(getattr(obj, method), label))
-            patched.append((obj, method))
+    with _wrapped(generator, _HOST_POINTS, wrap):
         torch.cuda.CUDAGraph.replay = wrap(replay, "graph.replay")  # type: ignore[method-assign]
-        yield acc
-    finally:
-        torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
-        for obj, method in patched:
-            delattr(obj, method)
+        try:
+            yield acc
+        finally:
+            torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
 
 
 def round_timeline(
