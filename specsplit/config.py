@@ -390,7 +390,7 @@ def _parse(raw: str, typ: Any, key: str) -> Any:
     return None if raw.lower() == "none" and "None" in t else raw
 
 
-_ATTENTION_KERNELS = ("auto", "math", "sdpa")  # specsplit.attention.ATTENTION_KERNELS (no torch import here)
+_ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
 
 
 def _check_dtype(dtype: str, section: str) -> None:

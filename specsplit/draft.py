@@ -90,7 +90,7 @@ class DraftEngine:
         )
         self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
         self._rounds: dict[tuple[DynamicShape, tuple[object, ...], int], GraphedRound] = {}
-        self._ingest_layouts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ingest_layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._workspace = Workspace(
             self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
         )
@@ -331,14 +331,13 @@ class DraftEngine:
         """Device tensors of a padded ``n_in``-token ingest: ``arange(n_in)`` and, for every real
         length ``n``, the `[n_in, n_in]` visibility block (causal among the ``n`` real tokens; a
         padding row sees itself only)."""
-        key = (n_in, str(self.device))
-        cached = self._ingest_layouts.get(key)
+        cached = self._ingest_layouts.get(n_in)
         if cached is None:
             real = torch.arange(n_in)[None, :] < torch.arange(n_in + 1)[:, None]  # [n_in + 1, n_in]
             causal = torch.ones(n_in, n_in, dtype=torch.bool).tril()
             blocks = (causal[None] & real[:, None, :]) | torch.eye(n_in, dtype=torch.bool)[None]
             cached = (h2d(torch.arange(n_in), self.device), h2d(blocks, self.device))
-            self._ingest_layouts[key] = cached
+            self._ingest_layouts[n_in] = cached
         return cached
 
     # ------------------------------------------------------------------ tree growth

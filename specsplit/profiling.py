@@ -93,9 +93,10 @@ def annotate_phases(generator: Any) -> Iterator[None]:
 # Host-side timing points (no profiler): the phases above plus what runs inside them.
 _HOST_POINTS = (
     *_PHASES,
-    ("transport.draft_engine._workspace.static", "run", "draft.static_run"),
+    # ``_static``, not the ``static`` property: looking must not build a workspace
+    ("transport.draft_engine._workspace._static", "run", "draft.static_run"),
     ("transport.target_engine", "_verify_locked", "verify.locked"),
-    ("transport.target_engine._workspace.static", "run", "verify.static_run"),
+    ("transport.target_engine._workspace._static", "run", "verify.static_run"),
 )
 
 

@@ -86,3 +86,6 @@ def test_host_times_counts_the_phases_and_unpatches(llama_target):
         assert acc["draft"][1] == acc["draft.ingest"][1] == acc["draft.grow"][1] > 0
         assert acc["draft"][0] >= acc["draft.grow"][0] > 0
         assert "verify" not in gen.transport.__dict__
+        # timing an eager generator must not build the static workspaces it does not use
+        assert gen.transport.draft_engine._workspace._static is None
+        assert gen.transport.target_engine._workspace._static is None
