@@ -12,6 +12,15 @@ sampling (sparse q with ``Kq`` = 32 ids/probabilities per node) it reports, sepa
 draft call and the verify call: median and p90 microseconds of (gRPC - local) and the protobuf
 payload bytes of request + response (HTTP/2 framing adds ~50-100 bytes per call).
 
+A second table times whole rounds of the real decoding loop (:func:`specsplit.pipeline.decode`,
+greedy, the 64-node tree) over the same no-op engines: local, gRPC with the client running the
+rounds (two calls a round), and gRPC with the target worker running them
+(``SpecSplitConfig.grpc_loop="target"``: one call a round, tokens streamed back). With
+``--client-delays-ms 0,1,5`` it repeats the two gRPC rows with a one-way delay added to every message
+between this process and the workers (a client far from its workers: 5 ms one-way = 10 ms round
+trip), while the target worker reaches the draft worker over plain loopback (both workers in one
+data centre).
+
     python benchmarks/transport_overhead.py            # writes benchmarks/results/transport_overhead-<tag>.{json,md}
     python benchmarks/transport_overhead.py --rounds 2000 --tag cpu
 """
@@ -118,6 +127,8 @@ class NoopTarget(NoopDraft):
     def info(self) -> WorkerInfo:
         return WorkerInfo("target", "noop", VOCAB, "float32", "cpu", PROTOCOL_VERSION, 0)
 
+    model_vocab_size = VOCAB
+
 
 def serve_noop() -> int:
     """Subprocess entry: serve the no-op engines on free ports, print ``READY <draft> <target>``."""
@@ -126,12 +137,94 @@ def serve_noop() -> int:
 
     limits = ServerLimits(max_tree_nodes=256)
     d = serve_draft(NoopDraft(), limits=limits)
-    t = serve_target(NoopTarget(), limits=limits)
+    t = serve_target(NoopTarget(), limits=limits, draft_address=d.address)
     print(f"READY {d.port} {t.port}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     d.stop(0)
     t.stop(0)
     return 0
+
+
+LOOP_TREE = "tree 64 nodes"
+LOOP_TOKENS = 400  # 100 rounds of 4 committed tokens per generation
+
+
+class _Delayed:
+    """Iterator over a server stream whose messages reach the consumer ``delay`` seconds after they
+    arrived (a one-way link delay: messages in flight overlap, delays do not add up)."""
+
+    def __init__(self, call, delay: float):
+        import queue
+        import threading
+
+        self._call, self._delay, self._q = call, delay, queue.SimpleQueue()
+
+        def pump() -> None:
+            try:
+                for msg in call:
+                    self._q.put((time.perf_counter(), msg, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                self._q.put((time.perf_counter(), None, e))
+            else:
+                self._q.put((time.perf_counter(), None, StopIteration()))
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        arrived, msg, err = self._q.get()
+        wait = arrived + self._delay - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        if err is not None:
+            raise err
+        return msg
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def delayed_transport(transport, delay_ms: float):
+    """``transport`` with ``delay_ms`` one-way on every message to and from the workers."""
+    import grpc
+
+    from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+
+    delay = delay_ms / 1000.0
+
+    class Delay(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def intercept_unary_unary(self, continuation, details, request):
+            time.sleep(delay)  # the request on its way
+            out = continuation(details, request)
+            out.result()  # the reply has arrived ...
+            time.sleep(delay)  # ... and travels back
+            return out
+
+        def intercept_unary_stream(self, continuation, details, request):
+            time.sleep(delay)
+            return _Delayed(continuation(details, request), delay)
+
+    for peer, stub in (
+        (transport._target, pb_grpc.TargetServiceStub),
+        (transport._draft, pb_grpc.DraftServiceStub),
+    ):
+        peer.stub = stub(grpc.intercept_channel(peer.channel, Delay()))
+    return transport
+
+
+def measure_loop(transport, loop: str, generations: int) -> list[float]:
+    """Seconds per round of whole greedy generations through ``decode`` (no-op engines)."""
+    from specsplit.pipeline import DecodeParams, decode
+
+    params = DecodeParams(max_new_tokens=LOOP_TOKENS, tree=SHAPES[LOOP_TREE], loop=loop)
+    out = []
+    for _ in range(generations):
+        t0 = time.perf_counter()
+        _, stats = decode(transport, list(range(100, 612)), params)
+        out.append((time.perf_counter() - t0) / len(stats.rounds))
+    return out
 
 
 def measure(transport, tree_cfg: TreeConfig, do_sample: bool, rounds: int) -> dict[str, list[float]]:
@@ -182,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1000, help="measured rounds per configuration")
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--tag", default="cpu", help="results file suffix")
+    ap.add_argument(
+        "--client-delays-ms",
+        type=lambda v: [float(x) for x in v.split(",") if x],
+        default=[0.0],
+        help="one-way delays between this process and the workers for the whole-round table, e.g. 0,1,5",
+    )
     ap.add_argument("--serve-noop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_noop:
@@ -227,15 +326,44 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:16s} {row['mode']:20s} draft +{row['draft_overhead_us_median']:7.0f} us "
                       f"{row['draft_bytes']:6d} B | verify +{row['verify_overhead_us_median']:7.0f} us "
                       f"{row['verify_bytes']:6d} B", flush=True)  # fmt: skip
+        loops: dict[str, list[float]] = {"local": [], "grpc, client loop": [], "grpc, target loop": []}
+        runs = [("local", local_t, "client"), ("grpc, client loop", grpc_t, "client"),
+                ("grpc, target loop", grpc_t, "target")]  # fmt: skip
+        for _, t, loop in runs:
+            measure_loop(t, loop, 2)
+        gens = max(2, args.rounds // 100)
+        for _ in range(5):  # interleaved blocks, as above
+            for name, t, loop in runs:
+                loops[name] += measure_loop(t, loop, max(1, gens // 5))
+        base = statistics.median(loops["local"])
+        loop_rows = []
+        for name, xs in loops.items():
+            med = statistics.median(xs)
+            loop_rows.append({"mode": name, "delay_ms": 0.0, "round_us_median": 1e6 * med,
+                              "overhead_us_median": 1e6 * (med - base), "generations": len(xs)})  # fmt: skip
+            print(f"{name:18s} {1e6 * med:7.0f} us a round (+{1e6 * (med - base):5.0f})", flush=True)
+        for delay in (d for d in args.client_delays_ms if d > 0):
+            far = delayed_transport(
+                GrpcTransport(grpc_t._target.address, grpc_t._draft.address, timeout_s=30), delay
+            )
+            try:
+                for name, loop in (("grpc, client loop", "client"), ("grpc, target loop", "target")):
+                    measure_loop(far, loop, 1)
+                    med = statistics.median(measure_loop(far, loop, 3))
+                    loop_rows.append({"mode": name, "delay_ms": delay, "round_us_median": 1e6 * med,
+                                      "overhead_us_median": 1e6 * (med - base), "generations": 3})  # fmt: skip
+                    print(f"{name:18s} +{delay:g} ms one-way {1e6 * med:8.0f} us a round", flush=True)
+            finally:
+                far.close()
     finally:
         grpc_t.close()
         proc.stdin.close()
         proc.wait(timeout=30)
-    write(rows, args)
+    write(rows, args, loop_rows)
     return 0
 
 
-def write(rows: list[dict], args: argparse.Namespace) -> None:
+def write(rows: list[dict], args: argparse.Namespace, loop_rows: list[dict]) -> None:
     import grpc
     from google.protobuf import __version__ as pb_version
 
@@ -243,7 +371,12 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "benchmark": "transport_overhead",
-        "command": f"python benchmarks/transport_overhead.py --rounds {args.rounds} --tag {args.tag}",
+        "command": f"python benchmarks/transport_overhead.py --rounds {args.rounds} --tag {args.tag}"
+        + (
+            f" --client-delays-ms {','.join(f'{d:g}' for d in args.client_delays_ms)}"
+            if any(args.client_delays_ms)
+            else ""
+        ),
         "rounds_per_config": args.rounds,
         "python": platform.python_version(),
         "grpcio": grpc.__version__,
@@ -257,7 +390,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "workers in a subprocess; bytes = protobuf payload of request + response",
     }
     (out / f"transport_overhead-{args.tag}.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
+        json.dumps({"meta": meta, "rows": rows, "loop_rows": loop_rows}, indent=2) + "\n"
     )
     lines = [
         f"# Transport overhead per round ({args.tag})",
@@ -276,6 +409,19 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
             f"| {r['shape']} | {r['nodes']} | {r['mode']} | {r['draft_overhead_us_median']:.0f} "
             f"({r['draft_overhead_us_p90']:.0f}) | {r['draft_bytes']} | {r['verify_overhead_us_median']:.0f} "
             f"({r['verify_overhead_us_p90']:.0f}) | {r['verify_bytes']} |"
+        )
+    lines += [
+        "",
+        f"Whole rounds of `specsplit.pipeline.decode` (greedy, {LOOP_TREE}, {LOOP_TOKENS} tokens = 100 "
+        "rounds a generation, median over generations) on the same no-op engines. Overhead = minus local.",
+        "",
+        "| rounds run by | client ↔ workers one-way delay | µs a round | overhead µs | generations |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in loop_rows:
+        lines.append(
+            f"| {r['mode']} | {r['delay_ms']:g} ms | {r['round_us_median']:.0f} | {r['overhead_us_median']:.0f} "
+            f"| {r['generations']} |"
         )
     (out / f"transport_overhead-{args.tag}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / f'transport_overhead-{args.tag}.json'} and .md")

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -51,6 +51,10 @@ DECODERS = (
 # ``-split``: sequential rounds with the draft on ``--overlap-draft-device`` (the overlapped decoder's
 # placement without its speculation). ``-grpc-dynamic``: the dynamic tree over gRPC workers;
 # ``-grpc-overlap-dynamic``: the same with the overlapped pipeline (draft worker on the overlap device).
+# ``-grpc-targetloop-...``: the same over gRPC with the rounds run by the target worker
+# (``SpecSplitConfig.grpc_loop="target"``: one network hop a round instead of two).
+# ``specsplit-grpc-dynamic`` / ``-grpc-targetloop-dynamic`` (no suffix): that A/B without torch.compile
+# (plain CUDA graphs with ``--cuda-graphs``; their workers start in seconds instead of minutes).
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
@@ -59,6 +63,10 @@ OPTIONAL_DECODERS = (
     "specsplit-split-dynamic-compiled",
     "specsplit-grpc-dynamic-compiled",
     "specsplit-grpc-overlap-dynamic-compiled",
+    "specsplit-grpc-targetloop-dynamic-compiled",
+    "specsplit-grpc-targetloop-overlap-dynamic-compiled",
+    "specsplit-grpc-dynamic",
+    "specsplit-grpc-targetloop-dynamic",
 )
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
@@ -344,6 +352,7 @@ def _grpc_decoder(
     processes: bool = True,
     name: str = "specsplit-grpc",
     overlap: bool = False,
+    target_loop: bool = False,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
@@ -353,6 +362,7 @@ def _grpc_decoder(
     draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
     if overlap:
         what += f", overlapped pipeline (draft worker on {draft_device}, target worker on {m.device})"
+    loop: Literal["client", "target"] = "target" if target_loop else "client"
     try:
         from specsplit.remote import serve_draft, serve_target
         from specsplit.remote.launch import WorkerProcess
@@ -365,20 +375,20 @@ def _grpc_decoder(
 
     if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
         extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])
-        workers = [
-            WorkerProcess("draft", m.draft_name, device=draft_device, dtype=m.dtype, args=extra),
-            WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype, args=extra),
-        ]
+        workers = [WorkerProcess("draft", m.draft_name, device=draft_device, dtype=m.dtype, args=extra)]
         try:
-            for w in workers:
-                w.start()
+            workers[0].start()
+            peer = ["--draft-address", workers[0].address] if target_loop else []
+            workers.append(WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype,
+                                         args=extra + peer))  # fmt: skip
+            workers[1].start()
         except Exception:
             for w in workers:
                 w.stop(grace=1.0)
             raise
         cfg = SpecSplitConfig(transport="grpc", draft_address=workers[0].address,
                               target_address=workers[1].address, tree=copy.deepcopy(tree),
-                              sync_timing=False, timeout_s=600.0, overlap=overlap)  # fmt: skip
+                              sync_timing=False, timeout_s=600.0, overlap=overlap, grpc_loop=loop)  # fmt: skip
         pgen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
         def close_processes() -> None:
@@ -393,9 +403,12 @@ def _grpc_decoder(
     d_engine = DraftEngine(draft, DraftConfig(cuda_graphs=graphs, compile=compile))
     t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
-    t_srv = serve_target(t_engine, port=0, host="127.0.0.1")
+    t_srv = serve_target(
+        t_engine, port=0, host="127.0.0.1", draft_address=d_srv.address if target_loop else None
+    )
     cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
-                          tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0, overlap=overlap)  # fmt: skip
+                          tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0, overlap=overlap,
+                          grpc_loop=loop)  # fmt: skip
     gen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
     def close() -> None:
@@ -460,6 +473,8 @@ def build_decoders(
     trees["specsplit-grpc"] = trees["specsplit-chain"]
     trees["specsplit-grpc-dynamic"] = trees["specsplit-dynamic"]
     trees["specsplit-grpc-overlap-dynamic"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc-targetloop-dynamic"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc-targetloop-overlap-dynamic"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -478,12 +493,19 @@ def build_decoders(
                                          f"{m.overlap_draft_device or m.draft_device}, target on {m.device}")  # fmt: skip
     labels["specsplit-grpc-dynamic"] = f"{labels['specsplit-dynamic']} over gRPC"
     labels["specsplit-grpc-overlap-dynamic"] = f"{labels['specsplit-dynamic']} over gRPC, overlapped pipeline"
-    for name in OPTIONAL_DECODERS:  # before the flags' suffix: these always fuse their graphs
+    on_target = "rounds run by the target worker (one hop a round)"
+    labels["specsplit-grpc-targetloop-dynamic"] = f"{labels['specsplit-dynamic']} over gRPC, {on_target}"
+    labels["specsplit-grpc-targetloop-overlap-dynamic"] = (
+        f"{labels['specsplit-dynamic']} over gRPC, {on_target}, overlapped pipeline"
+    )
+    for name in (
+        n for n in OPTIONAL_DECODERS if n.endswith(COMPILED_SUFFIX)
+    ):  # these always fuse their graphs
         labels[name] = f"{labels[name.removesuffix(COMPILED_SUFFIX)]}, CUDA graphs fused by torch.compile"
     if cuda_graphs or compile:
         extra = ", ".join(x for x, on in (("CUDA graphs", cuda_graphs), ("torch.compile", compile)) if on)
         labels = {
-            n: (f"{v}, {extra}" if n.startswith("specsplit") and n not in OPTIONAL_DECODERS else v)
+            n: (f"{v}, {extra}" if n.startswith("specsplit") and not n.endswith(COMPILED_SUFFIX) else v)
             for n, v in labels.items()
         }
     decoders: list[Decoder] = []
@@ -507,7 +529,8 @@ def build_decoders(
             elif base.startswith("specsplit-grpc"):
                 fused = base != name
                 dec = _grpc_decoder(m, trees[base], sync, cuda_graphs or fused, compile or fused,
-                                    grpc_processes, name, overlap="-overlap" in base)  # fmt: skip
+                                    grpc_processes, name, overlap="-overlap" in base,
+                                    target_loop="-targetloop" in base)  # fmt: skip
                 if isinstance(dec, str):
                     logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec

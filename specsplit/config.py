@@ -255,6 +255,11 @@ class SpecSplitConfig:
             speculates every round.
         sync_timing: synchronise the device around each span so the draft/verify split in
             telemetry is exact (costs a little speed on GPU).
+        grpc_loop: where the rounds run in gRPC mode: ``"client"`` (default; this process calls
+            the draft and the target worker every round, two network hops a round) or
+            ``"target"`` (one ``Generate`` call; the target worker calls the draft worker it was
+            started with, ``specsplit serve target --draft-address``, one hop a round, and streams
+            the committed tokens back; ``draft_address`` is then unused). Same tokens either way.
     """
 
     transport: Literal["local", "grpc"] = "local"
@@ -269,6 +274,7 @@ class SpecSplitConfig:
     overlap: bool = False
     overlap_policy: Literal["adaptive", "always"] = "adaptive"
     sync_timing: bool = False
+    grpc_loop: Literal["client", "target"] = "client"
 
     def __post_init__(self) -> None:
         if self.transport not in ("local", "grpc"):
@@ -280,6 +286,12 @@ class SpecSplitConfig:
             )
         if self.overlap_policy not in ("adaptive", "always"):
             raise ConfigError(f"overlap_policy must be 'adaptive' or 'always', got {self.overlap_policy!r}")
+        if self.grpc_loop not in ("client", "target"):
+            raise ConfigError(f"grpc_loop must be 'client' or 'target', got {self.grpc_loop!r}")
+        if self.grpc_loop == "target" and self.transport != "grpc":
+            raise ConfigError(
+                "grpc_loop='target' needs transport='grpc' (the rounds run on the target worker)"
+            )
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         self.target.specpv.check_tree(self.tree.max_nodes, self.tree.depth_limit)

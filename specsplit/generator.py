@@ -14,7 +14,7 @@ from specsplit.config import SamplingParams, SpecSplitConfig
 from specsplit.draft import DraftEngine
 from specsplit.errors import ConfigError
 from specsplit.local import LocalTransport
-from specsplit.pipeline import DecodeParams, OverlapPolicy, decode
+from specsplit.pipeline import DecodeParams, OverlapPolicies, OverlapPolicy, decode
 from specsplit.target import TargetEngine
 from specsplit.telemetry import SpecStats
 from specsplit.transport import Transport
@@ -109,7 +109,7 @@ class SpecSplitGenerator:
         self.transport = transport
         # Overlapped mode's speculate-or-not policy, one per (tree shape, sampling or greedy): what
         # it measured on earlier prompts holds for the next ones on the same machine and pair.
-        self._overlap_policies: dict[tuple[str, bool], OverlapPolicy] = {}
+        self._overlap_policies = OverlapPolicies()
         gc = getattr(target_model, "generation_config", None)
         self.generation_config = copy.deepcopy(gc) if gc is not None else GenerationConfig()
 
@@ -280,15 +280,12 @@ class SpecSplitGenerator:
             overlap=self.config.overlap,
             overlap_policy=self.config.overlap_policy,
             policy=self._overlap_policy(do_sample) if self.config.overlap else None,
+            loop=self.config.grpc_loop,
         )
 
     def _overlap_policy(self, do_sample: bool) -> OverlapPolicy:
-        key = (repr(self.config.tree), do_sample)
         always = self.config.overlap_policy == "always"
-        policy = self._overlap_policies.get(key)
-        if policy is None or policy.always != always:
-            policy = self._overlap_policies[key] = OverlapPolicy(always=always)
-        return policy
+        return self._overlap_policies.policy(self.config.tree, do_sample, always)
 
     @staticmethod
     def _pad_id(gc: GenerationConfig) -> int:

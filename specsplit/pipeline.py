@@ -20,9 +20,16 @@ from typing import Any
 import torch
 
 from specsplit.config import SamplingParams, TreeConfig
-from specsplit.errors import CacheDesyncError, SessionNotFound, TransportError
+from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, TransportError
 from specsplit.telemetry import RoundStats, SpecStats
-from specsplit.transport import DraftRequest, DraftResult, Transport, VerifyRequest, VerifyResult
+from specsplit.transport import (
+    DraftRequest,
+    DraftResult,
+    GenerateRequest,
+    Transport,
+    VerifyRequest,
+    VerifyResult,
+)
 from specsplit.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ class DecodeParams:
     overlap: bool = False  # draft round N+1 (speculatively) while round N verifies
     overlap_policy: str = "adaptive"  # or "always" (see SpecSplitConfig.overlap_policy)
     policy: OverlapPolicy | None = None  # kept across calls by the caller; None: a fresh one
+    loop: str = "client"  # "target": the target worker runs the rounds (GrpcTransport.generate_on_target)
 
 
 class OverlapPolicy:
@@ -119,6 +127,27 @@ class OverlapPolicy:
         self.mode, self.left, self.measuring = best, self._hold_now, False
 
 
+class OverlapPolicies(dict):
+    """``{(tree shape repr, do_sample): OverlapPolicy}``, kept across generations.
+
+    What a policy measured on earlier prompts holds for the next ones on the same machine and
+    pair, so a generator (and a target worker running rounds for its clients) keeps one per tree
+    shape and sampling mode here instead of probing again on every prompt.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def policy(self, tree: TreeConfig, do_sample: bool, always: bool) -> OverlapPolicy:
+        key = (repr(tree), do_sample)
+        with self._lock:
+            policy = self.get(key)
+            if policy is None or policy.always != always:
+                policy = self[key] = OverlapPolicy(always=always)
+            return policy
+
+
 class _StopChecker:
     def __init__(self, params: DecodeParams):
         self.eos = params.eos_token_ids
@@ -159,6 +188,7 @@ def decode(
     params: DecodeParams,
     on_tokens: Callable[[list[int]], None] | None = None,
     session_id: str | None = None,
+    on_round: Callable[[list[int], RoundStats], None] | None = None,
 ) -> tuple[list[int], SpecStats]:
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt``.
 
@@ -169,11 +199,20 @@ def decode(
     sequential mode. Per-round seeds are drawn in the same order either way, so the committed
     tokens are the same as sequential mode's.
 
+    With ``params.loop == "target"`` the target worker runs this same loop itself
+    (:func:`_decode_on_target`); the result is the same.
+
+    ``on_round`` is called after every round with its committed tokens and telemetry.
+
     Returns:
         ``(new token ids, stats)``; the session is ended on both sides before returning.
     """
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
+    if params.loop == "target":
+        return _decode_on_target(transport, prompt, params, on_tokens, session_id)
+    if params.loop != "client":
+        raise ConfigError(f"loop must be 'client' or 'target', got {params.loop!r}")
     sid = session_id or uuid.uuid4().hex
     stats = SpecStats(prompt_tokens=len(prompt))
     stopper = _StopChecker(params)
@@ -259,6 +298,8 @@ def decode(
                     spec_hit=hit,
                 )
             )
+            if on_round is not None:
+                on_round(kept, stats.rounds[-1])
             if stopped:
                 break
     finally:
@@ -269,6 +310,78 @@ def decode(
             transport.end_session(sid)
         except Exception as e:  # cleanup must not mask the real error; TTL frees it anyway
             logger.warning("could not end session %s: %s", sid, e)
+    return out, stats
+
+
+def _decode_on_target(
+    transport: Transport,
+    prompt: list[int],
+    params: DecodeParams,
+    on_tokens: Callable[[list[int]], None] | None,
+    session_id: str | None,
+) -> tuple[list[int], SpecStats]:
+    """:func:`decode` with the round loop on the target worker: one network hop a round.
+
+    The worker cuts at EOS and ``max_new_tokens``; stop strings are checked here on the streamed
+    tokens, and the call is cancelled at the first match (the worker may have run one round
+    more, which is dropped). Sampling seeds: the worker draws them from a copy of this call's
+    generator state in the same order as :func:`decode`, and afterwards this generator is advanced
+    by the same draws, so tokens and generator state equal client-loop mode's.
+    """
+    run = getattr(transport, "generate_on_target", None)
+    if run is None:
+        raise ConfigError(
+            f"loop='target' needs a transport that runs rounds on the target worker (GrpcTransport), "
+            f"got {type(transport).__name__}"
+        )
+    stats = SpecStats(prompt_tokens=len(prompt))
+    stopper = _StopChecker(params)
+    out: list[int] = []
+    rng_state = b""
+    if params.sampling.do_sample:
+        gen = params.generator if params.generator is not None else torch.default_generator
+        rng_state = gen.get_state().numpy().tobytes()
+    req = GenerateRequest(
+        session_id=session_id or uuid.uuid4().hex,
+        prompt_token_ids=list(prompt),
+        max_new_tokens=params.max_new_tokens,
+        sampling=params.sampling,
+        tree=params.tree,
+        eos_token_ids=sorted(params.eos_token_ids),
+        rng_state=rng_state,
+        overlap=params.overlap,
+        overlap_policy=params.overlap_policy,
+    )
+    t_start = time.perf_counter()
+    stream = run(req)
+    finished = stopped = False
+    try:
+        for update in stream:
+            for tokens, rs in update.rounds:
+                kept, stopped = stopper.cut(out, tokens)
+                rs.committed = len(kept)
+                out.extend(kept)
+                stats.rounds.append(rs)
+                if rs.spec_hit is not None:
+                    stats.spec_rounds += 1
+                    stats.spec_hits += rs.spec_hit
+                if on_tokens is not None:
+                    on_tokens(kept)
+                if stopped:
+                    break
+            if update.done:
+                stats.recoveries, stats.draft_fallback = update.recoveries, update.draft_fallback
+                finished = True
+            if stopped or update.done:
+                break
+        if not (finished or stopped):
+            raise TransportError("the target worker ended the generation stream before its end")
+    finally:
+        if not finished:
+            stream.cancel()  # a stop string, an error here, or the worker failing: stop it there too
+        stats.wall_time_s = time.perf_counter() - t_start
+    for _ in range(1 + len(stats.rounds)):  # the draws decode() makes (none under greedy)
+        _round_seeds(params)
     return out, stats
 
 

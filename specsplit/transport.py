@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from specsplit.config import SamplingParams, TreeConfig
+from specsplit.telemetry import RoundStats
 from specsplit.tree import TokenTree
 
 
@@ -137,6 +138,51 @@ class VerifyResult:
 
 # Name from the original design documents.
 VerificationResult = VerifyResult
+
+
+@dataclass
+class GenerateRequest:
+    """A whole generation whose rounds the target worker runs (``SpecSplitConfig.grpc_loop="target"``).
+
+    The worker runs the same round loop as :func:`specsplit.pipeline.decode`, with its local target
+    engine and the draft worker it was started with, and streams :class:`GenerateUpdate` s.
+
+    Attributes:
+        session_id: conversation key on both workers.
+        prompt_token_ids: the prompt.
+        max_new_tokens: tokens to generate at most.
+        sampling: sampling parameters.
+        tree: shape of the tree drafted every round.
+        eos_token_ids: generation stops after the first of these (included).
+        rng_state: sampling only: ``torch.Generator.get_state()`` bytes of the CPU generator the
+            per-round seeds are drawn from (empty: a fresh nondeterministic generator).
+        overlap / overlap_policy: as in :class:`~specsplit.config.SpecSplitConfig`.
+    """
+
+    session_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    eos_token_ids: list[int] = field(default_factory=list)
+    rng_state: bytes = b""
+    overlap: bool = False
+    overlap_policy: str = "adaptive"
+
+
+@dataclass
+class GenerateUpdate:
+    """Rounds a worker-run generation finished since its previous update.
+
+    ``rounds`` pairs each round's committed tokens with its telemetry; the last update of a
+    generation that ran to its end has ``done`` set and carries the totals.
+    """
+
+    rounds: list[tuple[list[int], RoundStats]] = field(default_factory=list)
+    done: bool = False
+    recoveries: int = 0
+    draft_fallback: bool = False
+    wall_time_s: float = 0.0
 
 
 @dataclass

@@ -236,11 +236,17 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert [d.name for d in decs] == ["specsplit-dynamic", *OPTIONAL_DECODERS] and not skipped
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
+            if not d.name.endswith("-compiled"):  # the plain gRPC A/B pair: graphs only with --cuda-graphs
+                assert d.name in ("specsplit-grpc-dynamic", "specsplit-grpc-targetloop-dynamic")
+                assert "torch.compile" not in d.label and not d.shape_warmup
+                assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
+                continue
             assert d.shape_warmup  # a graph per KV bucket: warmed up on every prompt
             assert "fused by torch.compile" in d.label, d.label
             if d.config.transport == "grpc":  # the workers hold the engine configs
                 assert d.name.startswith("specsplit-grpc-") and d.config.tree.shape == "dynamic"
                 assert d.config.overlap == ("-overlap-" in d.name)
+                assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
                 continue
             assert d.config.draft.compile and d.config.target.compile
             assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
@@ -290,6 +296,16 @@ def test_grpc_decoder_runs_a_dynamic_tree_exactly() -> None:
         out = dec.run(ids, 12)
         assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1
         assert out.split_s is not None and out.split_s["spec_rounds"] >= 1  # it did speculate
+    finally:
+        dec.close()
+    # the rounds run by the target worker (it calls the draft worker itself): same tokens and rounds
+    dec = _grpc_decoder(m, tree, sync=False, graphs=False, processes=False, name="y", target_loop=True)
+    assert not isinstance(dec, str), dec
+    try:
+        assert dec.config.grpc_loop == "target" and not dec.config.overlap
+        out = dec.run(ids, 12)
+        assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1
+        assert max(d for d, _ in out.rounds) == 3
     finally:
         dec.close()
 

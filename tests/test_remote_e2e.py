@@ -500,6 +500,10 @@ def test_serve_engine_options_reach_both_roles() -> None:
     assert not TargetConfig(**opts).fold_gqa and not DraftConfig(**opts).fold_gqa
     assert TargetConfig(**opts).fuse_projections and DraftConfig(**opts).fuse_projections
     assert TargetConfig(**opts).attention_kernel == DraftConfig(**opts).attention_kernel == "math"
+    assert "graph_rounds" not in opts  # each role keeps its own default
+    for flag, value in (("--graph-rounds", True), ("--no-graph-rounds", False)):
+        opts = engine_options(parser.parse_args(["serve", "target", "--model", "m", flag]))
+        assert TargetConfig(**opts).graph_rounds is value and DraftConfig(**opts).graph_rounds is value
 
 
 def test_serve_specpv_options_reach_the_config() -> None:

@@ -51,8 +51,29 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
     p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
     p.add_argument("--compile", action="store_true", help="fuse the fixed-shape steps with torch.compile")
+    p.add_argument(
+        "--graph-rounds",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --cuda-graphs, capture a whole round in one graph: the draft's tree growth (default on) "
+        "or the target's greedy verification (default off)",
+    )
     add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument(
+        "--draft-address",
+        default=None,
+        help="target: host:port of the draft worker this worker calls when it runs a client's rounds "
+        "(clients with grpc_loop='target': one network hop a round instead of two)",
+    )
+    p.add_argument(
+        "--draft-auth-token-file",
+        default=None,
+        help="target: file holding the draft worker's bearer token (or set SPECSPLIT_DRAFT_AUTH_TOKEN)",
+    )
+    p.add_argument(
+        "--draft-tls-ca", default=None, help="target: PEM CA of the draft worker's TLS certificate"
+    )
     p.add_argument(
         "--specpv", action="store_true", help="target: SpecPV partial verification for long contexts (lossy)"
     )
@@ -76,18 +97,18 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
-def _read_token(args: argparse.Namespace) -> str | None:
+def _read_token(file: str | None, env: str, flag: str) -> str | None:
     from specsplit.errors import ConfigError
 
-    if args.auth_token_file:
-        path = Path(args.auth_token_file)
+    if file:
+        path = Path(file)
         if not path.is_file():
-            raise ConfigError(f"--auth-token-file {path} does not exist")
+            raise ConfigError(f"{flag} {path} does not exist")
         token = path.read_text().strip()
         if not token:
-            raise ConfigError(f"--auth-token-file {path} is empty")
+            raise ConfigError(f"{flag} {path} is empty")
         return token
-    return os.environ.get("SPECSPLIT_AUTH_TOKEN") or None
+    return os.environ.get(env) or None
 
 
 def _load(args: argparse.Namespace) -> torch.nn.Module:
@@ -124,6 +145,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         common["attention_kernel"] = args.attention_kernel
     if args.graph_capacity is not None:
         common["graph_capacity"] = args.graph_capacity
+    if args.graph_rounds is not None:
+        common["graph_rounds"] = args.graph_rounds
     if args.max_sessions is not None:
         common["max_sessions"] = args.max_sessions
     if args.session_ttl is not None:
@@ -139,7 +162,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
-    token = _read_token(args)
+    token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
+    draft_peer: dict[str, Any] = {}
+    if args.role == "draft" and (args.draft_address or args.draft_auth_token_file or args.draft_tls_ca):
+        raise ConfigError("--draft-address, --draft-auth-token-file and --draft-tls-ca are target options")
+    if args.draft_address:
+        draft_peer = {
+            "draft_address": args.draft_address,
+            "draft_auth_token": _read_token(
+                args.draft_auth_token_file, "SPECSPLIT_DRAFT_AUTH_TOKEN", "--draft-auth-token-file"
+            ),
+            "draft_tls_ca_file": args.draft_tls_ca,
+        }
     common = engine_options(args)
     limits = ServerLimits(
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
@@ -169,9 +203,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             **common,
         )
         engine = TargetEngine(_load(args), config=tcfg)
-    serve = serve_draft if args.role == "draft" else serve_target
-    server = serve(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
-                   auth_token=token, limits=limits)  # fmt: skip
+    if args.role == "draft":
+        server = serve_draft(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
+                             auth_token=token, limits=limits)  # fmt: skip
+    else:
+        server = serve_target(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
+                              auth_token=token, limits=limits, **draft_peer)  # fmt: skip
 
     stop = threading.Event()
 
@@ -186,7 +223,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"[specsplit] {args.role} worker: {info.model_name} ({info.dtype}, {info.device}, vocab "
         f"{info.vocab_size}) on {args.host}:{server.port}{' with TLS' if tls else ''}"
-        f"{', token required' if token else ''}",
+        f"{', token required' if token else ''}"
+        f"{f', runs rounds with the draft worker at {args.draft_address}' if args.draft_address else ''}",
         file=sys.stderr,
         flush=True,
     )

@@ -22,6 +22,9 @@ Retry policy, and why it is safe:
   round can therefore never be committed twice, so ``UNAVAILABLE`` (worker down, restarting, or
   connection lost) is retried until the deadline. ``DEADLINE_EXCEEDED`` is not retried: the worker
   may still be busy with the call.
+* ``Generate`` (the target worker runs the rounds, ``SpecSplitConfig.grpc_loop="target"``) is a
+  server stream with no overall deadline: ``timeout_s`` bounds the wait for each next message
+  instead (a watchdog cancels the call), and a failure is not retried.
 * ``GenerateDrafts`` is not retried by us (gRPC's transparent retry still re-sends calls that never
   left the client). A failing draft worker costs speed, not correctness: the client marks it down
   (``has_draft`` becomes False, logged once), the pipeline continues target-only, and the draft is
@@ -56,7 +59,15 @@ from specsplit.errors import (
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
-from specsplit.transport import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo
+from specsplit.transport import (
+    DraftRequest,
+    DraftResult,
+    GenerateRequest,
+    GenerateUpdate,
+    VerifyRequest,
+    VerifyResult,
+    WorkerInfo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +94,8 @@ class GrpcTransport:
     """Transport to a target worker and, optionally, a draft worker.
 
     Args:
-        target_address: ``host:port`` of the target worker.
+        target_address: ``host:port`` of the target worker (``None``: a draft-only client, as a
+            target worker uses to reach its draft worker).
         draft_address: ``host:port`` of the draft worker; ``None`` decodes target-only.
         timeout_s: deadline of each call (retries of one call share it).
         auth_token: bearer token sent as ``authorization: Bearer <token>``.
@@ -95,7 +107,7 @@ class GrpcTransport:
 
     def __init__(
         self,
-        target_address: str,
+        target_address: str | None,
         draft_address: str | None = None,
         *,
         timeout_s: float = 60.0,
@@ -131,7 +143,7 @@ class GrpcTransport:
             )
             return _Peer(role, address, ch, stub_cls(ch))
 
-        self._target = peer("target", target_address, pb_grpc.TargetServiceStub)
+        self._target = peer("target", target_address, pb_grpc.TargetServiceStub) if target_address else None
         self._draft = peer("draft", draft_address, pb_grpc.DraftServiceStub) if draft_address else None
         self._lock = threading.Lock()
         self._draft_down_since: float | None = None
@@ -189,14 +201,32 @@ class GrpcTransport:
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         msg = _encode(convert.verify_request_to_proto, request)
-        resp = self._call(self._target, "VerifyDrafts", msg, timeout=self.timeout_s, retry=True)
+        resp = self._call(self._target_peer(), "VerifyDrafts", msg, timeout=self.timeout_s, retry=True)
         return convert.verify_result_from_proto(resp)
+
+    def generate_on_target(self, request: GenerateRequest) -> GenerateStream:
+        """Start a generation whose rounds the target worker runs; iterate the returned stream.
+
+        The target worker calls its own draft worker every round (one network hop a round instead
+        of two). Each next update must arrive within ``timeout_s``; errors arrive while iterating,
+        as SpecSplit exceptions.
+        """
+        peer = self._target_peer()
+        if self._closed:
+            raise TransportError("GrpcTransport is closed")
+        msg = _encode(convert.generate_request_to_proto, request)
+        try:
+            call = peer.stub.Generate(msg, metadata=self._metadata)
+        except ValueError as e:  # a closed channel
+            raise TransportError(f"target worker at {peer.address}: {e}") from None
+        return GenerateStream(call, peer, self.timeout_s)
 
     def end_session(self, session_id: str) -> None:
         """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
         msg = pb.EndSessionRequest(session_id=session_id)
         timeout = min(self.timeout_s, _END_SESSION_TIMEOUT_S)
-        peers = [self._target] + ([self._draft] if self._draft is not None and self._draft_up() else [])
+        peers = [self._target] if self._target is not None else []
+        peers += [self._draft] if self._draft is not None and self._draft_up() else []
         for p in peers:
             try:
                 self._call(p, "EndSession", msg, timeout=timeout, retry=True)
@@ -206,7 +236,7 @@ class GrpcTransport:
     def info(self) -> dict[str, WorkerInfo]:
         """``{"target": ..., "draft": ...}`` from ``Ping`` (draft omitted when it is down or absent)."""
         msg = pb.PingRequest(client_protocol_version=PROTOCOL_VERSION)
-        out = {"target": self._ping(self._target, msg)}
+        out = {"target": self._ping(self._target, msg)} if self._target is not None else {}
         if self._draft is not None and self.has_draft:
             try:
                 out["draft"] = self._ping(self._draft, msg)
@@ -232,9 +262,15 @@ class GrpcTransport:
 
     def __repr__(self) -> str:
         draft = self._draft.address if self._draft is not None else None
-        return f"GrpcTransport(target={self._target.address!r}, draft={draft!r})"
+        target = self._target.address if self._target is not None else None
+        return f"GrpcTransport(target={target!r}, draft={draft!r})"
 
     # ------------------------------------------------------------------ internals
+    def _target_peer(self) -> _Peer:
+        if self._target is None:
+            raise TransportError("no target worker configured (target_address is None)")
+        return self._target
+
     def _ping(self, peer: _Peer, msg: pb.PingRequest) -> WorkerInfo:
         info = convert.worker_info_from_proto(
             self._call(peer, "Ping", msg, timeout=self.timeout_s, retry=True)
@@ -293,6 +329,54 @@ class GrpcTransport:
                 raise _to_error(peer, method, e) from None
             except ValueError as e:  # grpc raises ValueError on a closed channel
                 raise TransportError(f"{peer.role} worker at {peer.address}: {e}") from None
+
+
+class GenerateStream:
+    """The updates of a generation the target worker runs (:meth:`GrpcTransport.generate_on_target`).
+
+    Iterating yields :class:`~specsplit.transport.GenerateUpdate` s; :meth:`cancel` stops the
+    generation on the worker (which then frees the session on both workers). A watchdog cancels the
+    call when no update arrives for ``timeout_s`` seconds, which surfaces as :class:`TransportError`.
+    """
+
+    def __init__(self, call: Any, peer: _Peer, timeout_s: float):
+        self._call, self._peer, self._timeout_s = call, peer, timeout_s
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self._timed_out = False
+        threading.Thread(target=self._watch, name="specsplit-generate-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(self._timeout_s, 1.0)):
+            if time.monotonic() - self._last > self._timeout_s:
+                self._timed_out = True
+                self._call.cancel()
+                return
+
+    def __iter__(self) -> GenerateStream:
+        return self
+
+    def __next__(self) -> GenerateUpdate:
+        try:
+            msg = next(self._call)
+        except StopIteration:
+            self._done.set()
+            raise
+        except grpc.RpcError as e:
+            self._done.set()
+            if self._timed_out:
+                raise TransportError(
+                    f"target worker at {self._peer.address}: Generate sent nothing for "
+                    f"{self._timeout_s:g}s (timeout_s); cancelled"
+                ) from None
+            raise _to_error(self._peer, "Generate", e) from None
+        self._last = time.monotonic()
+        return convert.generate_update_from_proto(msg)
+
+    def cancel(self) -> None:
+        """Stop the generation (idempotent)."""
+        self._done.set()
+        self._call.cancel()
 
 
 def _encode(fn: Any, request: Any) -> Any:

@@ -23,9 +23,12 @@ import torch
 from specsplit.config import SamplingParams, TreeConfig, TreeShape
 from specsplit.errors import ConfigError, InvalidRequest
 from specsplit.remote._generated import spec_decoding_pb2 as pb
+from specsplit.telemetry import RoundStats
 from specsplit.transport import (
     DraftRequest,
     DraftResult,
+    GenerateRequest,
+    GenerateUpdate,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
@@ -339,3 +342,85 @@ def verify_result_from_proto(m: pb.VerifyResponse) -> VerifyResult:
         stats=stats_from_proto(m.telemetry),
         cache_hit=m.cache_hit,
     )
+
+
+# ---------------------------------------------------------------------- worker-run generation
+def generate_request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        session_id=r.session_id,
+        prompt_token_ids=r.prompt_token_ids,
+        max_new_tokens=r.max_new_tokens,
+        sampling=sampling_to_proto(r.sampling),
+        tree=tree_config_to_proto(r.tree),
+        eos_token_ids=r.eos_token_ids,
+        rng_state=r.rng_state,
+        overlap=r.overlap,
+        overlap_policy=r.overlap_policy,
+    )
+
+
+def generate_request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
+    return GenerateRequest(
+        session_id=m.session_id,
+        prompt_token_ids=list(m.prompt_token_ids),
+        max_new_tokens=m.max_new_tokens,
+        sampling=sampling_from_proto(m.sampling),
+        tree=tree_config_from_proto(m.tree),
+        eos_token_ids=list(m.eos_token_ids),
+        rng_state=bytes(m.rng_state),
+        overlap=m.overlap,
+        overlap_policy=m.overlap_policy or "adaptive",
+    )
+
+
+def generate_round_to_proto(tokens: list[int], r: RoundStats) -> pb.GenerateRound:
+    m = pb.GenerateRound(
+        token_ids=tokens,
+        accepted=r.accepted,
+        drafted_depth=r.drafted_depth,
+        tree_nodes=r.tree_nodes,
+        draft_s=r.draft_s,
+        verify_s=r.verify_s,
+        host_s=r.host_s,
+        transport_s=r.transport_s,
+        draft_model_s=r.draft_model_s,
+        verify_model_s=r.verify_model_s,
+        overlap_draft_s=r.overlap_draft_s,
+    )
+    if r.spec_hit is not None:
+        m.spec_hit = r.spec_hit
+    return m
+
+
+def generate_update_to_proto(u: GenerateUpdate) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        rounds=[generate_round_to_proto(t, r) for t, r in u.rounds],
+        done=u.done,
+        recoveries=u.recoveries,
+        draft_fallback=u.draft_fallback,
+        wall_time_s=u.wall_time_s,
+    )
+
+
+def generate_update_from_proto(m: pb.GenerateResponse) -> GenerateUpdate:
+    rounds = [
+        (
+            list(r.token_ids),
+            RoundStats(
+                accepted=r.accepted,
+                committed=len(r.token_ids),
+                drafted_depth=r.drafted_depth,
+                tree_nodes=r.tree_nodes,
+                draft_s=r.draft_s,
+                verify_s=r.verify_s,
+                host_s=r.host_s,
+                transport_s=r.transport_s,
+                draft_model_s=r.draft_model_s,
+                verify_model_s=r.verify_model_s,
+                overlap_draft_s=r.overlap_draft_s,
+                spec_hit=r.spec_hit if r.HasField("spec_hit") else None,
+            ),
+        )
+        for r in m.rounds
+    ]
+    return GenerateUpdate(rounds, m.done, m.recoveries, m.draft_fallback, m.wall_time_s)

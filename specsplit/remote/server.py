@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,9 +41,13 @@ from specsplit.errors import (
     SessionNotFound,
     SpecSplitError,
 )
+from specsplit.pipeline import OverlapPolicies, decode
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+from specsplit.remote.client import GrpcTransport
+from specsplit.remote.target_loop import TargetLoopTransport, decode_params
+from specsplit.transport import GenerateUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -123,23 +128,27 @@ class _Handler:
                     return work(t0)
                 with self.locks.hold(session_id):
                     return work(t0)
-        except SpecSplitError as e:
+        except Exception as e:
+            self.fail(context, e, session_id)
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    def fail(self, context: grpc.ServicerContext, e: BaseException, session_id: str | None) -> None:
+        """Abort the call with the status code of ``e`` (raises)."""
+        if isinstance(e, SpecSplitError):
             code = next((c for t, c in _STATUS if isinstance(e, t)), None)
             if code is None:
-                logger.exception("%s worker: unexpected %s", self.worker_type, type(e).__name__)
+                logger.error("%s worker: unexpected %s", self.worker_type, type(e).__name__, exc_info=e)
                 code = grpc.StatusCode.INTERNAL
             if isinstance(e, CacheDesyncError) and e.expected is not None and e.actual is not None:
                 context.set_trailing_metadata(
                     (("specsplit-expected", str(e.expected)), ("specsplit-actual", str(e.actual)))
                 )
             context.abort(code, str(e))
-        except _OUT_OF_MEMORY as e:
+        if isinstance(e, _OUT_OF_MEMORY):
             logger.error("%s worker: out of memory serving session %r: %s", self.worker_type, session_id, e)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker out of memory: {e}")
-        except Exception as e:
-            logger.exception("%s worker: internal error", self.worker_type)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+        logger.error("%s worker: internal error", self.worker_type, exc_info=e)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     def ping(self, context: grpc.ServicerContext) -> pb.PingResponse:
         def work(t0: float) -> pb.PingResponse:
@@ -216,10 +225,20 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return self._h.ping(context)
 
 
-class TargetServicer(pb_grpc.TargetServiceServicer):
-    """``TargetService`` over a :class:`specsplit.target.TargetEngine`."""
+class _Cancelled(Exception):
+    """The client cancelled a ``Generate`` call (or the server is stopping)."""
 
-    def __init__(self, engine: Any, limits: ServerLimits | None = None):
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    """``TargetService`` over a :class:`specsplit.target.TargetEngine`.
+
+    Args:
+        engine: the target engine.
+        limits: request limits (the engine's own tree and context limits take precedence).
+        draft: client of the draft worker ``Generate`` calls draft on (``None``: target-only).
+    """
+
+    def __init__(self, engine: Any, limits: ServerLimits | None = None, draft: GrpcTransport | None = None):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
         if cfg is not None:  # the engine's own limits are the ones that matter on the target
@@ -227,6 +246,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 limits.max_message_bytes, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.max_context
             )
         self._h = _Handler(engine, "target", limits)
+        self.loop = TargetLoopTransport(engine, draft, limits.max_context)
+        self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def work(t0: float) -> pb.VerifyResponse:
@@ -243,6 +264,62 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return resp
 
         return self._h.run(context, request.session_id, work)
+
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        """Run a whole generation here (rounds draft on this worker's draft worker); stream its rounds.
+
+        The round loop runs in its own thread and queues each round; this handler sends whatever
+        is queued as one message, so a slow client never delays the next round. A cancelled call
+        stops the loop at its next round, which ends the session on both workers.
+        """
+
+        def check(t0: float) -> Any:
+            req = convert.generate_request_from_proto(request)
+            return req, decode_params(req, self._h.engine.model_vocab_size, self._h.limits, self._policies)
+
+        req, params = self._h.run(context, None, check)
+        updates: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+
+        def on_round(tokens: list[int], stats: Any) -> None:
+            if cancelled.is_set():
+                raise _Cancelled
+            updates.put(GenerateUpdate([(tokens, stats)]))
+
+        def run() -> None:
+            try:
+                with torch.inference_mode(), self._h.locks.hold(req.session_id):
+                    _, stats = decode(self.loop, req.prompt_token_ids, params, session_id=req.session_id,
+                                      on_round=on_round)  # fmt: skip
+                updates.put(
+                    GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
+                )
+            except _Cancelled:
+                updates.put(None)
+            except BaseException as e:  # noqa: BLE001 - re-raised as a status code by the handler
+                updates.put(e)
+
+        threading.Thread(target=run, name="specsplit-generate", daemon=True).start()
+        while True:
+            item, batch = updates.get(), GenerateUpdate()
+            while isinstance(item, GenerateUpdate):
+                batch.rounds.extend(item.rounds)
+                if item.done:
+                    batch.done, batch.recoveries = True, item.recoveries
+                    batch.draft_fallback, batch.wall_time_s = item.draft_fallback, item.wall_time_s
+                    break
+                if updates.empty():
+                    break
+                item = updates.get_nowait()
+            if batch.rounds or batch.done:
+                yield convert.generate_update_to_proto(batch)
+            if batch.done or item is None:
+                return
+            if isinstance(item, BaseException):
+                self._h.fail(context, item, req.session_id)
 
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
@@ -293,6 +370,7 @@ class WorkerServer:
         self._health = health
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
+        self.on_stop: list[Callable[[], None]] = []  # run once the server stopped (e.g. close clients)
 
     @property
     def address(self) -> str:
@@ -307,6 +385,8 @@ class WorkerServer:
             if self._health is not None:
                 self._health.enter_graceful_shutdown()
             self.server.stop(grace).wait()
+            for fn in self.on_stop:
+                fn()
             self._stopped.set()
         if shutdown_engine:
             self.engine.shutdown()
@@ -422,13 +502,33 @@ def serve_target(
     tls: tuple[str | Path, str | Path] | None = None,
     auth_token: str | None = None,
     limits: ServerLimits | None = None,
+    *,
+    draft_address: str | None = None,
+    draft_auth_token: str | None = None,
+    draft_tls_ca_file: str | Path | None = None,
+    draft_timeout_s: float = 60.0,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
 
     The tree limits and ``max_context`` come from the engine's :class:`~specsplit.config.TargetConfig`.
+
+    Args:
+        draft_address: ``host:port`` of the draft worker that ``Generate`` calls (clients with
+            ``SpecSplitConfig(grpc_loop="target")``); ``None``: such generations are target-only.
+        draft_auth_token / draft_tls_ca_file: how this worker authenticates to the draft worker.
+        draft_timeout_s: deadline of each call to the draft worker.
+
+    Each running ``Generate`` holds one of the ``max_workers`` request threads for its whole length.
     """
     limits = limits or ServerLimits()
-    return _serve(
-        "target", TargetServicer(engine, limits), pb_grpc.add_TargetServiceServicer_to_server,
+    draft = None
+    if draft_address:
+        draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
+                              tls_ca_file=draft_tls_ca_file)  # fmt: skip
+    servicer = TargetServicer(engine, limits, draft)
+    server = _serve(
+        "target", servicer, pb_grpc.add_TargetServiceServicer_to_server,
         engine, port, host, max_workers, tls, auth_token, limits,
     )  # fmt: skip
+    server.on_stop.append(servicer.loop.close)
+    return server

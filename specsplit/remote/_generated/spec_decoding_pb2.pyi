@@ -186,6 +186,70 @@ class VerifyResponse(_message.Message):
     telemetry: Telemetry
     def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
+class GenerateRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "max_new_tokens", "sampling", "tree", "eos_token_ids", "rng_state", "overlap", "overlap_policy")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    tree: TreeSpec
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rng_state: bytes
+    overlap: bool
+    overlap_policy: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rng_state: _Optional[bytes] = ..., overlap: _Optional[bool] = ..., overlap_policy: _Optional[str] = ...) -> None: ...
+
+class GenerateRound(_message.Message):
+    __slots__ = ("token_ids", "accepted", "drafted_depth", "tree_nodes", "draft_s", "verify_s", "host_s", "transport_s", "draft_model_s", "verify_model_s", "overlap_draft_s", "spec_hit")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MODEL_S_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HIT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted: int
+    drafted_depth: int
+    tree_nodes: int
+    draft_s: float
+    verify_s: float
+    host_s: float
+    transport_s: float
+    draft_model_s: float
+    verify_model_s: float
+    overlap_draft_s: float
+    spec_hit: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., host_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., draft_model_s: _Optional[float] = ..., verify_model_s: _Optional[float] = ..., overlap_draft_s: _Optional[float] = ..., spec_hit: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("rounds", "done", "recoveries", "draft_fallback", "wall_time_s")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[GenerateRound]
+    done: bool
+    recoveries: int
+    draft_fallback: bool
+    wall_time_s: float
+    def __init__(self, rounds: _Optional[_Iterable[_Union[GenerateRound, _Mapping]]] = ..., done: _Optional[bool] = ..., recoveries: _Optional[int] = ..., draft_fallback: _Optional[bool] = ..., wall_time_s: _Optional[float] = ...) -> None: ...
+
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

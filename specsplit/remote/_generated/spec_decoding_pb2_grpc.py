@@ -214,6 +214,11 @@ class TargetServiceStub:
                 request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/specsplit.v1.TargetService/Generate',
+                request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -243,6 +248,15 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Run a whole generation here, calling this worker's draft worker every round, and stream the
+        committed tokens round by round. Not idempotent; cancelling the call stops the generation
+        and frees its session on both workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -260,6 +274,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.GenerateRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +363,33 @@ class TargetService:
             '/specsplit.v1.TargetService/Ping',
             specsplit_dot_v1_dot_spec__decoding__pb2.PingRequest.SerializeToString,
             specsplit_dot_v1_dot_spec__decoding__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specsplit.v1.TargetService/Generate',
+            specsplit_dot_v1_dot_spec__decoding__pb2.GenerateRequest.SerializeToString,
+            specsplit_dot_v1_dot_spec__decoding__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,344 @@
+"""Rounds run by the target worker (``SpecSplitConfig(grpc_loop="target")``, ``TargetService.Generate``).
+
+Real workers on loopback, started through the CLI: the target worker gets ``--draft-address`` and
+calls the draft worker itself. Pins: the same tokens, round statistics and sampling-generator state
+as local mode; stop strings cut on the client, with the cancelled generation's sessions freed on
+both workers; bad requests get status codes and the worker keeps serving; a missing or dead draft
+worker means target-only steps with the same output; a silent worker trips the client's watchdog.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("grpc")
+
+import grpc  # noqa: E402
+from remote_support import VOCAB, Worker, load_saved, save_pair, single_thread, wait_until  # noqa: E402
+
+from specsplit import (  # noqa: E402
+    ConfigError,
+    DraftEngine,
+    LocalTransport,
+    SpecSplitConfig,
+    SpecSplitGenerator,
+    TargetEngine,
+    TransportError,
+    TreeConfig,
+)
+from specsplit.pipeline import DecodeParams, decode  # noqa: E402
+from specsplit.remote import GrpcTransport, convert, serve_draft, serve_target  # noqa: E402
+from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
+from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
+from specsplit.remote.server import TargetServicer  # noqa: E402
+
+TREES = {
+    "chain4": TreeConfig(shape="chain", num_draft_tokens=4),
+    "dynamic16": TreeConfig(shape="dynamic", budget=16, max_depth=4, topk=4, width=4),
+}
+SAMPLING = {"greedy": {"do_sample": False}, "seeded": {"do_sample": True, "temperature": 0.8, "top_p": 0.95}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_pair(tmp_path_factory.mktemp("target_loop_models"))
+
+
+@pytest.fixture(scope="module")
+def workers(model_dirs: tuple[Path, Path]):
+    """A draft worker, and a target worker started with ``--draft-address`` pointing at it."""
+    target_dir, draft_dir = model_dirs
+    drafter = Worker("draft", draft_dir).start().wait_ready()
+    try:
+        target = Worker("target", target_dir, ["--draft-address", drafter.address]).start().wait_ready()
+    except Exception:
+        drafter.kill()
+        raise
+    yield target, drafter
+    for w in (target, drafter):
+        assert w.terminate() == 0, "".join(w.log[-20:])
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs: tuple[Path, Path]) -> tuple[DraftEngine, TargetEngine]:
+    target_dir, draft_dir = model_dirs
+    return DraftEngine(load_saved(draft_dir)), TargetEngine(load_saved(target_dir))
+
+
+def loop_gen(target_address: str, tree: TreeConfig, tokenizer=None, **kwargs) -> SpecSplitGenerator:
+    cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", tree=tree, target_address=target_address,
+                          timeout_s=60.0, **kwargs)  # fmt: skip
+    return SpecSplitGenerator(config=cfg, tokenizer=tokenizer)
+
+
+def prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, 10), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :3] = 0
+        ids[1, :3] = 0
+    return ids, mask
+
+
+def run(gen: SpecSplitGenerator, ids, mask, sampling: dict, g: torch.Generator, n: int = 24, **kw):
+    return gen.generate(ids, attention_mask=mask, max_new_tokens=n, generator=g, return_dict_in_generate=True,
+                        **sampling, **kw)  # fmt: skip
+
+
+def round_stats(out) -> list[list[tuple[int, int, int, int]]]:
+    return [
+        [(r.accepted, r.committed, r.drafted_depth, r.tree_nodes) for r in s.rounds]
+        for s in out.per_sequence_stats
+    ]
+
+
+def sessions(target_address: str, draft_address: str) -> tuple[int, int]:
+    """Live sessions on the target and the draft worker."""
+    out = []
+    for addr, stub in (
+        (target_address, pb_grpc.TargetServiceStub),
+        (draft_address, pb_grpc.DraftServiceStub),
+    ):
+        with grpc.insecure_channel(addr) as ch:
+            out.append(stub(ch).Ping(pb.PingRequest(), timeout=10).active_sessions)
+    return out[0], out[1]
+
+
+class CharTokenizer:
+    """Just enough tokenizer for stop strings: token ``i`` reads ``<i>``."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("tree", list(TREES))
+def test_target_loop_equals_local(workers, engines, tree: str, sampling: str) -> None:
+    """Tokens, per-round statistics and the sampling generator's state afterwards: all as local mode's."""
+    target, _ = workers
+    ids, mask = prompts(3)
+    g_ref, g_out = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    local = SpecSplitGenerator(transport=LocalTransport(*engines), config=SpecSplitConfig(tree=TREES[tree]))
+    ref = run(local, ids, mask, SAMPLING[sampling], g_ref)
+    with loop_gen(target.address, TREES[tree]) as gen:
+        out = run(gen, ids, mask, SAMPLING[sampling], g_out)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert round_stats(out) == round_stats(ref)
+    assert torch.equal(g_out.get_state(), g_ref.get_state())  # the next call draws the same seeds
+    assert sum(r.accepted for r in out.spec_stats.rounds) > 0, "no token accepted"
+    assert all(r.transport_s >= 0 and r.draft_s > 0 for r in out.spec_stats.rounds if r.drafted_depth)
+
+
+def test_target_loop_overlapped_equals_sequential(workers, engines) -> None:
+    target, _ = workers
+    ids, mask = prompts(1, seed=3)
+    tree = TREES["dynamic16"]
+    local = SpecSplitGenerator(transport=LocalTransport(*engines), config=SpecSplitConfig(tree=tree))
+    ref = run(local, ids, mask, SAMPLING["seeded"], torch.Generator().manual_seed(2), n=40)
+    with loop_gen(target.address, tree, overlap=True, overlap_policy="always") as gen:
+        out = run(gen, ids, mask, SAMPLING["seeded"], torch.Generator().manual_seed(2), n=40)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.spec_stats.spec_rounds > 0  # speculation ran on the target worker
+    assert out.spec_stats.spec_rounds == sum(r.spec_hit is not None for r in out.spec_stats.rounds)
+
+
+def test_stop_string_cuts_on_the_client_and_frees_both_sessions(workers, engines) -> None:
+    target, drafter = workers
+    ids, mask = prompts(1, seed=5)
+    tree, tok = TREES["chain4"], CharTokenizer()
+    local = SpecSplitGenerator(
+        transport=LocalTransport(*engines), config=SpecSplitConfig(tree=tree), tokenizer=tok
+    )
+    full = run(local, ids, mask, SAMPLING["greedy"], None, n=60).sequences[0, 10:].tolist()
+    stop = f"<{full[5]}>"
+    ref = run(local, ids, mask, SAMPLING["greedy"], None, n=60, stop_strings=[stop])
+    with loop_gen(target.address, tree, tokenizer=tok) as gen:
+        out = run(gen, ids, mask, SAMPLING["greedy"], None, n=60, stop_strings=[stop])
+    new = out.sequences[0, 10:].tolist()
+    assert new == ref.sequences[0, 10:].tolist() == full[: full.index(full[5]) + 1]
+    assert round_stats(out) == round_stats(ref)
+    # the cancelled generation ended its session on both workers
+    assert wait_until(lambda: sessions(target.address, drafter.address) == (0, 0), timeout=10)
+
+
+def test_target_loop_matches_target_generate_greedy(workers, model_dirs) -> None:
+    target, _ = workers
+    model = load_saved(model_dirs[0])
+    ids, _ = prompts(1, seed=11)
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    with loop_gen(target.address, TREES["dynamic16"]) as gen:
+        out = gen.generate(ids, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_concurrent_generations_on_one_target_worker(workers, engines) -> None:
+    target, drafter = workers
+    tree = TREES["dynamic16"]
+    local = SpecSplitGenerator(transport=LocalTransport(*engines), config=SpecSplitConfig(tree=tree))
+    batches = [prompts(1, seed=s)[0] for s in range(4)]
+    refs = [local.generate(b, max_new_tokens=20) for b in batches]
+    with loop_gen(target.address, tree) as gen, ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda b: gen.generate(b, max_new_tokens=20), batches))
+    for o, r in zip(outs, refs, strict=True):
+        assert torch.equal(o, r)
+    assert wait_until(lambda: sessions(target.address, drafter.address) == (0, 0), timeout=10)
+
+
+def _generate_call(address: str, **fields) -> list[pb.GenerateResponse]:
+    base = {"prompt_token_ids": [5, 6, 7], "max_new_tokens": 4,
+            "tree": convert.tree_config_to_proto(TREES["chain4"]),
+            "sampling": pb.SamplingParams(top_p=1.0, temperature=1.0)}  # fmt: skip
+    base.update(fields)
+    with grpc.insecure_channel(address) as ch:
+        return list(pb_grpc.TargetServiceStub(ch).Generate(pb.GenerateRequest(**base), timeout=30))
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"prompt_token_ids": []}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt_token_ids": [1, VOCAB]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt_token_ids": [-1]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"max_new_tokens": -1}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"max_new_tokens": 10**9}, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (
+            {"tree": convert.tree_config_to_proto(TreeConfig(shape="chain", num_draft_tokens=500))},
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        ({"tree": pb.TreeSpec()}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"overlap_policy": "sometimes"}, grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            {"sampling": pb.SamplingParams(do_sample=True, temperature=0.0, top_p=1.0)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            {
+                "sampling": pb.SamplingParams(do_sample=True, temperature=1.0, top_p=1.0),
+                "rng_state": b"\x01" * 7,
+            },
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ],
+)
+def test_bad_generate_requests_get_status_codes_and_the_worker_keeps_serving(workers, fields, code) -> None:
+    target, drafter = workers
+    with pytest.raises(grpc.RpcError) as err:
+        _generate_call(target.address, **fields)
+    assert err.value.code() == code, err.value.details()
+    assert sessions(target.address, drafter.address) == (0, 0)  # nothing was created
+    good = _generate_call(target.address)
+    assert good[-1].done and sum(len(r.token_ids) for m in good for r in m.rounds) == 4
+
+
+def test_out_of_vocab_prompt_raises_invalid_request_on_the_client(workers) -> None:
+    from specsplit import InvalidRequest
+
+    target, _ = workers
+    with loop_gen(target.address, TREES["chain4"]) as gen, pytest.raises(InvalidRequest, match="vocabulary"):
+        gen.generate(torch.tensor([[1, VOCAB + 3]]), max_new_tokens=4)
+
+
+def test_without_a_draft_worker_the_target_loop_decodes_target_only(model_dirs, engines) -> None:
+    """No ``--draft-address``, or one nobody answers on: target-only steps, the same greedy output."""
+    target_engine = TargetEngine(load_saved(model_dirs[0]))
+    ids, _ = prompts(1, seed=4)
+    ref = SpecSplitGenerator(transport=LocalTransport(None, engines[1])).generate(ids, max_new_tokens=12)
+    for draft_address in (None, "127.0.0.1:1"):
+        srv = serve_target(target_engine, draft_address=draft_address, draft_timeout_s=2.0)
+        try:
+            with loop_gen(srv.address, TREES["chain4"]) as gen:
+                out = gen.generate(ids, max_new_tokens=12, return_dict_in_generate=True)
+        finally:
+            srv.stop(grace=1.0)
+        assert torch.equal(out.sequences, ref)
+        assert all(r.drafted_depth == 0 for r in out.spec_stats.rounds)
+        assert out.spec_stats.draft_fallback == (draft_address is not None)
+
+
+def test_in_process_servers_and_draft_worker_killed_mid_generation(model_dirs, engines) -> None:
+    """A draft worker that stops mid-generation: the rest is target-only and the output unchanged."""
+    d_engine, t_engine = DraftEngine(load_saved(model_dirs[1])), TargetEngine(load_saved(model_dirs[0]))
+    d_srv = serve_draft(d_engine)
+    t_srv = serve_target(t_engine, draft_address=d_srv.address, draft_timeout_s=5.0)
+    ids, _ = prompts(1, seed=9)
+    ref = SpecSplitGenerator(transport=LocalTransport(*engines), config=SpecSplitConfig(tree=TREES["chain4"]))
+    expected = ref.generate(ids, max_new_tokens=40)
+    seen: list[int] = []
+
+    class Streamer:
+        def put(self, t: torch.Tensor) -> None:
+            seen.append(t.numel())
+            if len(seen) == 3:  # prompt, then two rounds: stop the draft worker now
+                d_srv.stop(grace=0.0)
+
+        def end(self) -> None:
+            pass
+
+    try:
+        with loop_gen(t_srv.address, TREES["chain4"]) as gen:
+            out = gen.generate(ids, max_new_tokens=40, streamer=Streamer(), return_dict_in_generate=True)
+    finally:
+        t_srv.stop(grace=1.0)
+        d_srv.stop(grace=0.0)
+    assert torch.equal(out.sequences, expected)
+    assert out.spec_stats.draft_fallback
+    assert out.spec_stats.rounds[0].drafted_depth > 0 and out.spec_stats.rounds[-1].drafted_depth == 0
+
+
+class _SilentServicer(TargetServicer):
+    def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        time.sleep(3.0)
+        yield pb.GenerateResponse(done=True)
+
+
+def test_client_watchdog_cancels_a_silent_worker(engines) -> None:
+    server = grpc.server(ThreadPoolExecutor(2))
+    pb_grpc.add_TargetServiceServicer_to_server(_SilentServicer(engines[1]), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        cfg = SpecSplitConfig(
+            transport="grpc", grpc_loop="target", target_address=f"127.0.0.1:{port}", timeout_s=0.5
+        )
+        t0 = time.monotonic()
+        with SpecSplitGenerator(config=cfg) as gen, pytest.raises(TransportError, match="sent nothing"):
+            gen.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        server.stop(0)
+
+
+def test_grpc_loop_config_is_checked() -> None:
+    with pytest.raises(ConfigError, match="grpc_loop"):
+        SpecSplitConfig(grpc_loop="server")
+    with pytest.raises(ConfigError, match="needs transport='grpc'"):
+        SpecSplitConfig(grpc_loop="target")
+    cfg = SpecSplitConfig.from_env(environ={"SPECSPLIT_TRANSPORT": "grpc", "SPECSPLIT_TARGET_ADDRESS": "h:1",
+                                            "SPECSPLIT_GRPC_LOOP": "target"})  # fmt: skip
+    assert cfg.grpc_loop == "target"
+
+
+def test_loop_target_needs_a_transport_that_runs_rounds(engines) -> None:
+    with pytest.raises(ConfigError, match="GrpcTransport"):
+        decode(LocalTransport(*engines), [1, 2, 3], DecodeParams(max_new_tokens=4, loop="target"))
+    with pytest.raises(TransportError, match="no target worker"):
+        GrpcTransport(None, "127.0.0.1:1").generate_on_target(None)  # type: ignore[arg-type]
+
+
+def test_serve_rejects_draft_peer_options_on_a_draft_worker(tmp_path: Path, capsys) -> None:
+    from specsplit.cli import main
+
+    assert main(["serve", "draft", "--model", str(tmp_path), "--draft-address", "127.0.0.1:5"]) == 2
+    assert "target options" in capsys.readouterr().err
