@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -132,3 +136,33 @@ def word_tokenizer(vocab: int = VOCAB):
 @pytest.fixture(scope="session")
 def tokenizer():
     return word_tokenizer()
+
+
+# ---------------------------------------------------------------------- remote-mode tests
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Module-wide one intra-op torch thread, as the remote workers run (the remote tests use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    from remote_support import single_thread
+
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The remote tests' tiny pair saved once per test module: ``(target dir, draft dir)``."""
+    from remote_support import save_pair
+
+    return save_pair(tmp_path_factory.mktemp("remote_models"))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs: tuple[Path, Path]) -> tuple[Any, Any]:
+    """``(DraftEngine, TargetEngine)`` over the saved pair, loaded as the workers load it."""
+    from remote_support import load_saved
+
+    from specsplit import DraftEngine, TargetEngine
+
+    target_dir, draft_dir = model_dirs
+    return DraftEngine(load_saved(draft_dir)), TargetEngine(load_saved(target_dir))

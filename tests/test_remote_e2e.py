@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("grpc")
 
 import grpc  # noqa: E402
-from remote_support import VOCAB, Worker, load_saved, save_pair, single_thread, start_all  # noqa: E402
+from remote_support import VOCAB, Worker, load_saved, start_all  # noqa: E402
 
 from specsplit import (  # noqa: E402
     DraftEngine,
@@ -30,23 +30,14 @@ from specsplit import (  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the workers run
+
 TREES = {
     "chain4": TreeConfig(shape="chain", num_draft_tokens=4),
     "static16": TreeConfig(shape="static"),
     "dynamic16": TreeConfig(shape="dynamic", budget=16, max_depth=4, topk=4, width=4),
 }
 SAMPLING = {"greedy": {"do_sample": False}, "seeded": {"do_sample": True, "temperature": 0.8, "top_p": 0.95}}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return save_pair(tmp_path_factory.mktemp("remote_models"))
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +47,6 @@ def workers(model_dirs: tuple[Path, Path]):
     yield target, draft
     for w in (target, draft):
         assert w.terminate() == 0, "".join(w.log[-20:])  # graceful SIGTERM shutdown
-
-
-@pytest.fixture(scope="module")
-def engines(model_dirs: tuple[Path, Path]) -> tuple[DraftEngine, TargetEngine]:
-    target_dir, draft_dir = model_dirs
-    return DraftEngine(load_saved(draft_dir)), TargetEngine(load_saved(target_dir))
 
 
 def local_gen(engines: tuple[DraftEngine, TargetEngine], tree: TreeConfig) -> SpecSplitGenerator:
@@ -236,6 +221,7 @@ INVALID, NOT_FOUND, DESYNC, EXHAUSTED = (
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 )
+
 HUGE = 17 * 1024 * 1024  # above the workers' 16 MiB message limit
 
 

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("grpc")
 
-from remote_support import VOCAB, Worker, load_saved, save_pair, single_thread, start_all, wait_until  # noqa: E402
+from remote_support import VOCAB, Worker, load_saved, start_all, wait_until  # noqa: E402
 
 from specsplit import (  # noqa: E402
     DraftEngine,
@@ -32,18 +32,9 @@ from specsplit import (  # noqa: E402
 from specsplit.remote import GrpcTransport  # noqa: E402
 from specsplit.tree import TokenTree  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the workers run
+
 TREE = TreeConfig(shape="chain", num_draft_tokens=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return save_pair(tmp_path_factory.mktemp("fault_models"))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("grpc")
 
-from remote_support import VOCAB, Worker, load_saved, save_pair, single_thread, start_all  # noqa: E402
+from remote_support import VOCAB, Worker, load_saved, save_pair, start_all  # noqa: E402
 
 from specsplit import (  # noqa: E402
     DraftEngine,
@@ -30,6 +30,8 @@ from specsplit import (  # noqa: E402
     TreeConfig,
 )
 from specsplit.remote import GrpcTransport, serve_draft  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the workers run
 
 TOKEN = "s3cret-token-for-tests"
 TREE = TreeConfig(shape="chain", num_draft_tokens=4)
@@ -80,12 +82,6 @@ def make_cert(directory: Path, name: str = "worker") -> tuple[Path, Path]:
         )
     )
     return cert, key
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("grpc")
 
 import grpc  # noqa: E402
-from remote_support import VOCAB, Worker, load_saved, save_pair, single_thread, wait_until  # noqa: E402
+from remote_support import VOCAB, Worker, load_saved, wait_until  # noqa: E402
 
 from specsplit import (  # noqa: E402
     ConfigError,
@@ -37,22 +37,13 @@ from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
 from specsplit.remote.server import TargetServicer  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the workers run
+
 TREES = {
     "chain4": TreeConfig(shape="chain", num_draft_tokens=4),
     "dynamic16": TreeConfig(shape="dynamic", budget=16, max_depth=4, topk=4, width=4),
 }
 SAMPLING = {"greedy": {"do_sample": False}, "seeded": {"do_sample": True, "temperature": 0.8, "top_p": 0.95}}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return save_pair(tmp_path_factory.mktemp("target_loop_models"))
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +59,6 @@ def workers(model_dirs: tuple[Path, Path]):
     yield target, drafter
     for w in (target, drafter):
         assert w.terminate() == 0, "".join(w.log[-20:])
-
-
-@pytest.fixture(scope="module")
-def engines(model_dirs: tuple[Path, Path]) -> tuple[DraftEngine, TargetEngine]:
-    target_dir, draft_dir = model_dirs
-    return DraftEngine(load_saved(draft_dir)), TargetEngine(load_saved(target_dir))
 
 
 def loop_gen(target_address: str, tree: TreeConfig, tokenizer=None, **kwargs) -> SpecSplitGenerator:
