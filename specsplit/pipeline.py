@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,10 +213,36 @@ def decode(
         return _decode_on_target(transport, prompt, params, on_tokens, session_id)
     if params.loop != "client":
         raise ConfigError(f"loop must be 'client' or 'target', got {params.loop!r}")
-    sid = session_id or uuid.uuid4().hex
-    stats = SpecStats(prompt_tokens=len(prompt))
-    stopper = _StopChecker(params)
     out: list[int] = []
+    stats = SpecStats(prompt_tokens=len(prompt))
+    rounds = decode_rounds(transport, prompt, params, out, stats, session_id)
+    try:
+        for kept, round_stats in rounds:
+            if on_tokens is not None:
+                on_tokens(kept)
+            if on_round is not None:
+                on_round(kept, round_stats)
+    finally:
+        rounds.close()  # a callback raised: end the session now
+    return out, stats
+
+
+def decode_rounds(
+    transport: Transport,
+    prompt: list[int],
+    params: DecodeParams,
+    out: list[int],
+    stats: SpecStats,
+    session_id: str | None = None,
+) -> Generator[tuple[list[int], RoundStats], None, None]:
+    """:func:`decode`'s loop as a generator: yields each round's committed tokens and telemetry.
+
+    ``out`` and ``stats`` fill up as it runs. The session is ended on both sides when the generator
+    finishes or is closed, so a consumer that stops early (a cancelled stream) frees it at once.
+    Checks nothing :func:`decode` checks first (empty prompt, ``loop``).
+    """
+    sid = session_id or uuid.uuid4().hex
+    stopper = _StopChecker(params)
     overlap = params.overlap and transport.has_draft
     extra = params.tree.depth_limit + 1 if overlap else 0  # a speculative extension's tokens
     capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + 8
@@ -266,8 +292,6 @@ def decode(
             new = vres.accepted_token_ids + [vres.next_token_id]
             kept, stopped = stopper.cut(out, new[:remaining])
             out.extend(kept)
-            if on_tokens is not None:
-                on_tokens(kept)
             target_prefix, pending = vres.prefix_length, [vres.next_token_id]
             hit = None
             if spec is not None:
@@ -298,8 +322,7 @@ def decode(
                     spec_hit=hit,
                 )
             )
-            if on_round is not None:
-                on_round(kept, stats.rounds[-1])
+            yield kept, stats.rounds[-1]
             if stopped:
                 break
     finally:
@@ -310,7 +333,6 @@ def decode(
             transport.end_session(sid)
         except Exception as e:  # cleanup must not mask the real error; TTL frees it anyway
             logger.warning("could not end session %s: %s", sid, e)
-    return out, stats
 
 
 def _decode_on_target(

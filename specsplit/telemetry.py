@@ -17,7 +17,7 @@ class RoundStats:
     tree_nodes: int
     draft_s: float  # wall time of the draft call
     verify_s: float  # wall time of the verify call
-    host_s: float  # orchestrator bookkeeping (stop checks, streaming)
+    host_s: float  # orchestrator bookkeeping (stop checks; a streamer's time falls between rounds)
     transport_s: float = 0.0  # call time not spent inside the engines
     draft_model_s: float = 0.0
     verify_model_s: float = 0.0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,12 +40,13 @@ from specsplit.errors import (
     SessionNotFound,
     SpecSplitError,
 )
-from specsplit.pipeline import OverlapPolicies, decode
+from specsplit.pipeline import OverlapPolicies, decode_rounds
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
 from specsplit.remote.client import GrpcTransport
 from specsplit.remote.target_loop import TargetLoopTransport, decode_params
+from specsplit.telemetry import SpecStats
 from specsplit.transport import GenerateUpdate
 
 logger = logging.getLogger(__name__)
@@ -225,10 +225,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return self._h.ping(context)
 
 
-class _Cancelled(Exception):
-    """The client cancelled a ``Generate`` call (or the server is stopping)."""
-
-
 class TargetServicer(pb_grpc.TargetServiceServicer):
     """``TargetService`` over a :class:`specsplit.target.TargetEngine`.
 
@@ -270,9 +266,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     ) -> Iterator[pb.GenerateResponse]:
         """Run a whole generation here (rounds draft on this worker's draft worker); stream its rounds.
 
-        The round loop runs in its own thread and queues each round; this handler sends whatever
-        is queued as one message, so a slow client never delays the next round. A cancelled call
-        stops the loop at its next round, which ends the session on both workers.
+        The round loop (:func:`~specsplit.pipeline.decode_rounds`) runs in this handler's thread and
+        each round is sent as it finishes. A cancelled call stops iterating it, which ends the
+        session on both workers before another round starts.
         """
 
         def check(t0: float) -> Any:
@@ -280,46 +276,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return req, decode_params(req, self._h.engine.model_vocab_size, self._h.limits, self._policies)
 
         req, params = self._h.run(context, None, check)
-        updates: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        cancelled = threading.Event()
-        context.add_callback(cancelled.set)
-
-        def on_round(tokens: list[int], stats: Any) -> None:
-            if cancelled.is_set():
-                raise _Cancelled
-            updates.put(GenerateUpdate([(tokens, stats)]))
-
-        def run() -> None:
-            try:
-                with torch.inference_mode(), self._h.locks.hold(req.session_id):
-                    _, stats = decode(self.loop, req.prompt_token_ids, params, session_id=req.session_id,
-                                      on_round=on_round)  # fmt: skip
-                updates.put(
-                    GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
-                )
-            except _Cancelled:
-                updates.put(None)
-            except BaseException as e:  # noqa: BLE001 - re-raised as a status code by the handler
-                updates.put(e)
-
-        threading.Thread(target=run, name="specsplit-generate", daemon=True).start()
-        while True:
-            item, batch = updates.get(), GenerateUpdate()
-            while isinstance(item, GenerateUpdate):
-                batch.rounds.extend(item.rounds)
-                if item.done:
-                    batch.done, batch.recoveries = True, item.recoveries
-                    batch.draft_fallback, batch.wall_time_s = item.draft_fallback, item.wall_time_s
-                    break
-                if updates.empty():
-                    break
-                item = updates.get_nowait()
-            if batch.rounds or batch.done:
-                yield convert.generate_update_to_proto(batch)
-            if batch.done or item is None:
-                return
-            if isinstance(item, BaseException):
-                self._h.fail(context, item, req.session_id)
+        stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
+        rounds = decode_rounds(self.loop, req.prompt_token_ids, params, [], stats, req.session_id)
+        try:
+            with torch.inference_mode(), self._h.locks.hold(req.session_id):
+                try:
+                    for tokens, round_stats in rounds:
+                        yield convert.generate_update_to_proto(GenerateUpdate([(tokens, round_stats)]))
+                finally:
+                    rounds.close()  # ends the session on both workers, also when the client cancelled
+        except Exception as e:
+            self._h.fail(context, e, req.session_id)
+        done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
+        yield convert.generate_update_to_proto(done)
 
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
