@@ -305,6 +305,20 @@ def test_client_watchdog_cancels_a_silent_worker(engines) -> None:
         server.stop(0)
 
 
+def test_a_worker_without_generate_gives_a_clear_error(engines) -> None:
+    """``grpc_loop="target"`` pointed at something that is not a target worker of this version."""
+    srv = serve_draft(engines[0])  # a draft worker: no TargetService at all
+    try:
+        cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=srv.address, timeout_s=10)
+        with (
+            SpecSplitGenerator(config=cfg) as gen,
+            pytest.raises(TransportError, match="UNIMPLEMENTED.*grpc_loop"),
+        ):
+            gen.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    finally:
+        srv.stop(grace=0.0)
+
+
 def test_grpc_loop_config_is_checked() -> None:
     with pytest.raises(ConfigError, match="grpc_loop"):
         SpecSplitConfig(grpc_loop="server")

@@ -416,6 +416,8 @@ def _to_error(peer: _Peer, method: str, e: grpc.RpcError) -> SpecSplitError:
         hint = " (set auth_token / SPECSPLIT_AUTH_TOKEN to the worker's token)"
     elif code == grpc.StatusCode.UNAVAILABLE:
         hint = " (is the worker running? for TLS, is tls_ca_file right?)"
+    elif code == grpc.StatusCode.UNIMPLEMENTED:
+        hint = f" (is {peer.address} a {peer.role} worker of this SpecSplit version? grpc_loop='target' needs one)"
     return TransportError(
         f"{peer.role} worker at {peer.address}: {method} failed: {code.name}: {details}{hint}"
     )
