@@ -122,6 +122,7 @@ class BenchOptions:
     baseline_repeats: int | None = None  # HF decoders time only this many repeats (None: all)
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
+    target_graph_rounds: bool = False  # every SpecSplit target verifies a greedy round in one graph
     dynamic_tree: tuple[int, int, int, int] | None = (
         None  # (topk, width, budget, depth) of the dynamic decoders
     )
@@ -315,6 +316,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         opts.compile,
         opts.grpc_workers == "process",
         opts.dynamic_tree,
+        opts.target_graph_rounds,
     )
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
@@ -354,6 +356,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "baseline_repeats": min(repeats, opts.baseline_repeats or repeats),
             "overlap_draft_device": models.overlap_draft_device,
             "sync_timing": opts.sync_timing,
+            "target_graph_rounds": opts.target_graph_rounds,
             "num_draft_tokens": opts.num_draft_tokens,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "cuda_graphs": opts.cuda_graphs,
@@ -455,6 +458,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "without it the split is host-side wall time and the GPU work of a phase may spill into the next",
     )
     p.add_argument(
+        "--target-graph-rounds",
+        action="store_true",
+        help="every SpecSplit target (local, and the gRPC target workers) verifies a greedy round in one "
+        "CUDA graph (TargetConfig.graph_rounds; `specsplit serve --graph-rounds`)",
+    )
+    p.add_argument(
         "--overlap-draft-device",
         default=None,
         help="a copy of the draft on this device for the overlapped decoders (e.g. cuda:1; default: --draft-device)",
@@ -544,6 +553,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     parts += ["--grpc-workers", args.grpc_workers]
     if args.sync_timing:
         parts.append("--sync-timing")
+    if args.target_graph_rounds:
+        parts.append("--target-graph-rounds")
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]
@@ -583,6 +594,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         baseline_repeats=args.baseline_repeats,
         overlap_draft_device=args.overlap_draft_device,
         sync_timing=args.sync_timing,
+        target_graph_rounds=args.target_graph_rounds,
     )
     try:
         opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)

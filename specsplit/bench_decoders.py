@@ -353,6 +353,7 @@ def _grpc_decoder(
     name: str = "specsplit-grpc",
     overlap: bool = False,
     target_loop: bool = False,
+    target_graph_rounds: bool = False,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
@@ -379,6 +380,7 @@ def _grpc_decoder(
         try:
             workers[0].start()
             peer = ["--draft-address", workers[0].address] if target_loop else []
+            peer += ["--graph-rounds"] if target_graph_rounds else []
             workers.append(WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype,
                                          args=extra + peer))  # fmt: skip
             workers[1].start()
@@ -401,7 +403,9 @@ def _grpc_decoder(
 
     draft = m.overlap_draft if overlap and m.overlap_draft is not None else m.draft
     d_engine = DraftEngine(draft, DraftConfig(cuda_graphs=graphs, compile=compile))
-    t_engine = TargetEngine(m.target, TargetConfig(cuda_graphs=graphs, compile=compile))
+    t_engine = TargetEngine(
+        m.target, TargetConfig(cuda_graphs=graphs, compile=compile, graph_rounds=target_graph_rounds)
+    )
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
     t_srv = serve_target(
         t_engine, port=0, host="127.0.0.1", draft_address=d_srv.address if target_loop else None
@@ -429,6 +433,7 @@ def build_decoders(
     compile: bool = False,
     grpc_processes: bool = True,
     dynamic_tree: tuple[int, int, int, int] | None = None,
+    target_graph_rounds: bool = False,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -443,6 +448,8 @@ def build_decoders(
             :class:`TreeConfig`'s).
         grpc_processes: ``specsplit-grpc`` runs its workers as separate ``specsplit serve``
             processes (real models; the tiny smoke models always run in-process).
+        target_graph_rounds: every SpecSplit target verifies a greedy round in one CUDA graph
+            (``TargetConfig.graph_rounds``; ``--graph-rounds`` on the gRPC target workers).
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.
@@ -530,7 +537,8 @@ def build_decoders(
                 fused = base != name
                 dec = _grpc_decoder(m, trees[base], sync, cuda_graphs or fused, compile or fused,
                                     grpc_processes, name, overlap="-overlap" in base,
-                                    target_loop="-targetloop" in base)  # fmt: skip
+                                    target_loop="-targetloop" in base,
+                                    target_graph_rounds=target_graph_rounds)  # fmt: skip
                 if isinstance(dec, str):
                     logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec
@@ -548,7 +556,7 @@ def build_decoders(
                     draft=DraftConfig(
                         cuda_graphs=graphs, compile=fuse, graph_rounds=not base.endswith("-levels")
                     ),
-                    target=TargetConfig(cuda_graphs=graphs, compile=fuse),
+                    target=TargetConfig(cuda_graphs=graphs, compile=fuse, graph_rounds=target_graph_rounds),
                     overlap=name.startswith("specsplit-overlap"),
                 )
                 gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)

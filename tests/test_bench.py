@@ -225,6 +225,31 @@ def test_smoke_with_cuda_graphs_flag_stays_exact(tmp_path: Path) -> None:
     assert result["summary"]["specsplit-chain"]["overall"]["tau"] > 1.2
 
 
+def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> None:
+    """``--target-graph-rounds``: local targets verify in one graph (same tokens) and it is recorded."""
+    from specsplit.bench_decoders import build_decoders, load_models
+
+    m = load_models(tiny=True, device="cpu")
+    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-target-only"], k=4, cuda_graphs=True,
+                             target_graph_rounds=True)  # fmt: skip
+    try:
+        assert all(d.config.target.graph_rounds for d in decs)
+    finally:
+        for d in decs:
+            d.close()
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--target-graph-rounds"]
+    decoders = "hf-target,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
+    assert (
+        main([*argv, "--repeats", "1", "--decoders", decoders, "--tag", "rounds", "--out", str(tmp_path)])
+        == 0
+    )
+    (path,) = tmp_path.glob("*-smoke-rounds.json")
+    result = json.loads(path.read_text())
+    assert result["config"]["target_graph_rounds"] is True and "--target-graph-rounds" in result["command"]
+    for name, entry in result["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, name
+
+
 def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFixture[str]) -> None:
     """The ``-compiled`` decoders run only when named, with graphs + torch.compile on both engines."""
     from specsplit.bench_decoders import OPTIONAL_DECODERS, build_decoders, load_models
