@@ -188,7 +188,6 @@ def decode(
     params: DecodeParams,
     on_tokens: Callable[[list[int]], None] | None = None,
     session_id: str | None = None,
-    on_round: Callable[[list[int], RoundStats], None] | None = None,
 ) -> tuple[list[int], SpecStats]:
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt``.
 
@@ -202,7 +201,7 @@ def decode(
     With ``params.loop == "target"`` the target worker runs this same loop itself
     (:func:`_decode_on_target`); the result is the same.
 
-    ``on_round`` is called after every round with its committed tokens and telemetry.
+    :func:`decode_rounds` is the same loop as a generator of rounds.
 
     Returns:
         ``(new token ids, stats)``; the session is ended on both sides before returning.
@@ -217,11 +216,9 @@ def decode(
     stats = SpecStats(prompt_tokens=len(prompt))
     rounds = decode_rounds(transport, prompt, params, out, stats, session_id)
     try:
-        for kept, round_stats in rounds:
+        for kept, _ in rounds:
             if on_tokens is not None:
                 on_tokens(kept)
-            if on_round is not None:
-                on_round(kept, round_stats)
     finally:
         rounds.close()  # a callback raised: end the session now
     return out, stats

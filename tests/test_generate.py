@@ -160,3 +160,28 @@ def test_return_dict_stats_are_consistent(llama_target, llama_draft_random):
     summary = res.spec_stats.summary()
     assert summary["rounds"] == len(res.spec_stats.rounds)
     assert summary["tau"] >= 1.0
+
+
+def test_decode_rounds_yields_each_round_and_a_closed_generator_ends_the_session(llama_target):
+    """The round generator the target worker streams from: rounds as ``decode`` would commit them, and
+    closing it early (a cancelled stream) frees the session on both engines at once."""
+    from specsplit import DraftEngine, LocalTransport, TargetEngine
+    from specsplit.pipeline import DecodeParams, decode, decode_rounds
+    from specsplit.telemetry import SpecStats
+
+    engines = DraftEngine(llama_target), TargetEngine(llama_target)
+    transport = LocalTransport(*engines)
+    params = DecodeParams(max_new_tokens=24, tree=TreeConfig(shape="chain", num_draft_tokens=3))
+    prompt = PROMPTS[0]
+    ref, ref_stats = decode(transport, prompt, params)
+    out: list[int] = []
+    stats = SpecStats(prompt_tokens=len(prompt))
+    rounds = decode_rounds(transport, prompt, params, out, stats, "sid-1")
+    tokens, first = next(rounds)
+    assert tokens == ref[: len(tokens)] and first is stats.rounds[0]
+    assert all(e.info().active_sessions == 1 for e in engines)
+    rounds.close()
+    assert all(e.info().active_sessions == 0 for e in engines)
+    full = [t for toks, _ in decode_rounds(transport, prompt, params, [], SpecStats(), "sid-2") for t in toks]
+    assert full == ref and all(e.info().active_sessions == 0 for e in engines)
+    assert len(ref_stats.rounds) > 1
