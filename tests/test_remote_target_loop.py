@@ -9,6 +9,7 @@ worker means target-only steps with the same output; a silent worker trips the c
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -166,6 +167,9 @@ def test_target_loop_matches_target_generate_greedy(workers, model_dirs) -> None
     with loop_gen(target.address, TREES["dynamic16"]) as gen:
         out = gen.generate(ids, max_new_tokens=30, do_sample=False)
     assert torch.equal(out, ref)
+    # a finished generation's watchdog thread goes away (it must not live on for timeout_s)
+    watchdogs = lambda: sum(t.name == "specsplit-generate-watchdog" for t in threading.enumerate())  # noqa: E731
+    assert wait_until(lambda: watchdogs() == 0, timeout=3.0)
 
 
 def test_concurrent_generations_on_one_target_worker(workers, engines) -> None:

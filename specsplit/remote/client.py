@@ -371,6 +371,8 @@ class GenerateStream:
                 ) from None
             raise _to_error(self._peer, "Generate", e) from None
         self._last = time.monotonic()
+        if msg.done:  # the last message: the watchdog can go
+            self._done.set()
         return convert.generate_update_from_proto(msg)
 
     def cancel(self) -> None:
