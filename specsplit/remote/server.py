@@ -83,6 +83,29 @@ class ServerLimits:
     max_context: int = 32768
 
 
+def check_tree_spec(spec: pb.TreeSpec, lim: ServerLimits) -> None:
+    """Refuse a requested tree shape beyond the worker's limits (``ResourceExhausted``).
+
+    Checked on the raw message, before the ``TreeConfig`` is built: building a huge static or chain
+    shape is itself expensive.
+    """
+    depth = {
+        pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
+        pb.TREE_SHAPE_STATIC: max((len(p.ranks) for p in spec.static_paths.paths), default=0),
+        pb.TREE_SHAPE_DYNAMIC: spec.max_depth,
+    }.get(spec.shape, 0)
+    nodes = {
+        pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
+        pb.TREE_SHAPE_STATIC: len(spec.static_paths.paths),
+        pb.TREE_SHAPE_DYNAMIC: max(spec.budget, spec.topk, spec.width),
+    }.get(spec.shape, 0)
+    if nodes > lim.max_tree_nodes or depth > lim.max_tree_depth:
+        raise ResourceExhausted(
+            f"requested tree (up to {nodes} nodes, depth {depth}) exceeds this worker's limits "
+            f"({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
+        )
+
+
 class _SessionLocks:
     """One lock per live session id, created on demand and dropped when nobody holds it."""
 
@@ -181,24 +204,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     def _check_limits(self, m: pb.DraftRequest) -> None:
         lim = self._h.limits
-        spec = m.tree
-        depth = {
-            pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
-            pb.TREE_SHAPE_STATIC: max((len(p.ranks) for p in spec.static_paths.paths), default=0),
-            pb.TREE_SHAPE_DYNAMIC: spec.max_depth,
-        }.get(spec.shape, 0)
-        nodes = {
-            pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
-            pb.TREE_SHAPE_STATIC: len(spec.static_paths.paths),
-            pb.TREE_SHAPE_DYNAMIC: max(spec.budget, spec.topk, spec.width),
-        }.get(spec.shape, 0)
-        # Checked on the raw message: building the TreeConfig of a huge static/chain shape is
-        # itself expensive.
-        if nodes > lim.max_tree_nodes or depth > lim.max_tree_depth:
-            raise ResourceExhausted(
-                f"requested tree (up to {nodes} nodes, depth {depth}) exceeds this worker's limits "
-                f"({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
-            )
+        check_tree_spec(m.tree, lim)
         if m.prefix_length + len(m.new_token_ids) > lim.max_context:
             raise ResourceExhausted(
                 f"draft session would hold {m.prefix_length + len(m.new_token_ids)} tokens; "
@@ -242,7 +248,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 limits.max_message_bytes, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.max_context
             )
         self._h = _Handler(engine, "target", limits)
-        self.loop = TargetLoopTransport(engine, draft, limits.max_context)
+        self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
@@ -272,6 +278,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """
 
         def check(t0: float) -> Any:
+            check_tree_spec(request.tree, self._h.limits)
             req = convert.generate_request_from_proto(request)
             return req, decode_params(req, self._h.engine.model_vocab_size, self._h.limits, self._policies)
 

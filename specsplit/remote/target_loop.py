@@ -14,6 +14,7 @@ client cannot make a worker open connections of its choosing.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,13 +45,13 @@ class TargetLoopTransport:
     Args:
         engine: the worker's :class:`~specsplit.target.TargetEngine`.
         draft: client of the draft worker, or ``None`` (every generation is target-only).
-        max_context: the worker's ``max_context``; capacity hints are clamped to it.
+        clamp_capacity: the worker's clamp of capacity hints to its ``max_context``.
     """
 
-    def __init__(self, engine: Any, draft: GrpcTransport | None, max_context: int):
+    def __init__(self, engine: Any, draft: GrpcTransport | None, clamp_capacity: Callable[[int], int]):
         self.engine = engine
         self._draft = draft
-        self.max_context = max_context
+        self._clamp = clamp_capacity
 
     @property
     def has_draft(self) -> bool:
@@ -62,7 +63,7 @@ class TargetLoopTransport:
         return self._draft.draft(request)
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
-        request.capacity_hint = max(0, min(request.capacity_hint, self.max_context))
+        request.capacity_hint = self._clamp(request.capacity_hint)
         return self.engine.verify(request)
 
     def end_session(self, session_id: str) -> None:
@@ -89,7 +90,8 @@ def decode_params(
     Raises:
         InvalidRequest: empty prompt, token ids outside the vocabulary, negative
             ``max_new_tokens``, an unknown overlap policy or a malformed ``rng_state``.
-        ResourceExhausted: a tree or a context beyond the worker's limits.
+        ResourceExhausted: a context beyond the worker's ``max_context`` (the tree's limits are
+            checked on the raw message, ``server.check_tree_spec``).
     """
     prompt = req.prompt_token_ids
     if not prompt:
@@ -104,12 +106,6 @@ def decode_params(
         raise ResourceExhausted(
             f"prompt ({len(prompt)}) + max_new_tokens ({req.max_new_tokens}) exceeds this worker's "
             f"max_context {limits.max_context}"
-        )
-    nodes, depth = req.tree.max_nodes, req.tree.depth_limit
-    if nodes > limits.max_tree_nodes or depth > limits.max_tree_depth:
-        raise ResourceExhausted(
-            f"requested tree (up to {nodes} nodes, depth {depth}) exceeds this worker's limits "
-            f"({limits.max_tree_nodes} nodes, depth {limits.max_tree_depth})"
         )
     if req.overlap_policy not in ("adaptive", "always"):
         raise InvalidRequest(f"overlap_policy must be 'adaptive' or 'always', got {req.overlap_policy!r}")
