@@ -19,7 +19,10 @@ rounds (two calls a round), and gRPC with the target worker running them
 ``--client-delays-ms 0,1,5`` it repeats the two gRPC rows with a one-way delay added to every message
 between this process and the workers (a client far from its workers: 5 ms one-way = 10 ms round
 trip), while the target worker reaches the draft worker over plain loopback (both workers in one
-data centre).
+data centre). ``--engine-ms 8,4`` makes the no-op draft and target sleep that long per call (GIL
+released, standing in for GPU work), so the loop table shows what a real round pays on top of its
+engines' time, including work a loop can overlap with the draft worker's (``--loops-only`` skips the
+per-call table).
 
     python benchmarks/transport_overhead.py            # writes benchmarks/results/transport_overhead-<tag>.{json,md}
     python benchmarks/transport_overhead.py --rounds 2000 --tag cpu
@@ -90,14 +93,17 @@ def canned_tree(cfg: TreeConfig, do_sample: bool) -> TokenTree:
 
 
 class NoopDraft:
-    """Returns a canned tree of the requested shape immediately."""
+    """Returns a canned tree of the requested shape after ``delay_s`` (0: immediately)."""
 
     device = torch.device("cpu")
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         self._cache: dict[tuple[str, bool], TokenTree] = {}
+        self.delay_s = delay_s
 
     def generate(self, req: DraftRequest) -> DraftResult:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         key = (repr(req.tree), req.sampling.do_sample)
         tree = self._cache.get(key)
         if tree is None:
@@ -118,6 +124,8 @@ class NoopTarget(NoopDraft):
     """Accepts the first root-to-leaf path of up to 3 nodes, immediately."""
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         n = req.tree.num_nodes
         nodes = [0, 4, 20][: min(3, n)] if n > 4 else list(range(min(3, n)))
         base = req.expected_prefix_length + len(req.pending_token_ids)
@@ -130,14 +138,14 @@ class NoopTarget(NoopDraft):
     model_vocab_size = VOCAB
 
 
-def serve_noop() -> int:
+def serve_noop(engine_ms: tuple[float, float]) -> int:
     """Subprocess entry: serve the no-op engines on free ports, print ``READY <draft> <target>``."""
     from specsplit.remote import serve_draft, serve_target
     from specsplit.remote.server import ServerLimits
 
     limits = ServerLimits(max_tree_nodes=256)
-    d = serve_draft(NoopDraft(), limits=limits)
-    t = serve_target(NoopTarget(), limits=limits, draft_address=d.address)
+    d = serve_draft(NoopDraft(engine_ms[0] / 1e3), limits=limits)
+    t = serve_target(NoopTarget(engine_ms[1] / 1e3), limits=limits, draft_address=d.address)
     print(f"READY {d.port} {t.port}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     d.stop(0)
@@ -281,24 +289,37 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.0],
         help="one-way delays between this process and the workers for the whole-round table, e.g. 0,1,5",
     )
+    ap.add_argument(
+        "--engine-ms",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=(0.0, 0.0),
+        help="DRAFT,VERIFY: milliseconds each no-op engine sleeps per call (stand-ins for GPU work)",
+    )
+    ap.add_argument("--loops-only", action="store_true", help="only the whole-round table")
     ap.add_argument("--serve-noop", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if len(args.engine_ms) != 2:
+        ap.error("--engine-ms takes DRAFT,VERIFY")
     if args.serve_noop:
-        return serve_noop()
+        return serve_noop(args.engine_ms)
     torch.set_num_threads(1)
     from specsplit.remote import GrpcTransport
 
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-noop"], stdin=subprocess.PIPE,
+    engine_arg = f"--engine-ms={args.engine_ms[0]:g},{args.engine_ms[1]:g}"
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-noop", engine_arg], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None and proc.stdin is not None
     line = proc.stdout.readline().split()
     if not line or line[0] != "READY":
         raise SystemExit(f"no-op workers did not start: {line}")
     grpc_t = GrpcTransport(f"127.0.0.1:{line[2]}", f"127.0.0.1:{line[1]}", timeout_s=30)
-    local_t = LocalTransport(NoopDraft(), NoopTarget())  # type: ignore[arg-type]
+    local_t = LocalTransport(
+        NoopDraft(args.engine_ms[0] / 1e3),
+        NoopTarget(args.engine_ms[1] / 1e3),  # type: ignore[arg-type]
+    )
     rows = []
     try:
-        for name, cfg in SHAPES.items():
+        for name, cfg in ({} if args.loops_only else SHAPES).items():
             for do_sample in (False, True):
                 for t in (local_t, grpc_t):
                     measure(t, cfg, do_sample, args.warmup)
@@ -331,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("grpc, target loop", grpc_t, "target")]  # fmt: skip
         for _, t, loop in runs:
             measure_loop(t, loop, 2)
-        gens = max(2, args.rounds // 100)
+        gens = max(5, args.rounds // 100)
         for _ in range(5):  # interleaved blocks, as above
             for name, t, loop in runs:
                 loops[name] += measure_loop(t, loop, max(1, gens // 5))
@@ -376,7 +397,10 @@ def write(rows: list[dict], args: argparse.Namespace, loop_rows: list[dict]) -> 
             f" --client-delays-ms {','.join(f'{d:g}' for d in args.client_delays_ms)}"
             if any(args.client_delays_ms)
             else ""
-        ),
+        )
+        + (f" --engine-ms {args.engine_ms[0]:g},{args.engine_ms[1]:g}" if any(args.engine_ms) else "")
+        + (" --loops-only" if args.loops_only else ""),
+        "engine_ms": list(args.engine_ms),
         "rounds_per_config": args.rounds,
         "python": platform.python_version(),
         "grpcio": grpc.__version__,
@@ -397,13 +421,16 @@ def write(rows: list[dict], args: argparse.Namespace, loop_rows: list[dict]) -> 
         "",
         f"`{meta['command']}` — Python {meta['python']}, grpcio {meta['grpcio']}, protobuf "
         f"{meta['protobuf']}, {meta['cpus']} CPUs, load average {meta['load_average_1m_at_end']}, {meta['date']}.",
-        "",
-        "Overhead = gRPC minus LocalTransport on the same no-op engines and requests (median, p90 in "
-        "brackets), loopback, workers in a subprocess. Bytes = protobuf payload, request + response.",
-        "",
-        "| tree | nodes | mode | draft µs | draft bytes | verify µs | verify bytes |",
-        "|---|---:|---|---:|---:|---:|---:|",
     ]
+    if rows:
+        lines += [
+            "",
+            "Overhead = gRPC minus LocalTransport on the same no-op engines and requests (median, p90 in "
+            "brackets), loopback, workers in a subprocess. Bytes = protobuf payload, request + response.",
+            "",
+            "| tree | nodes | mode | draft µs | draft bytes | verify µs | verify bytes |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['nodes']} | {r['mode']} | {r['draft_overhead_us_median']:.0f} "
@@ -413,7 +440,13 @@ def write(rows: list[dict], args: argparse.Namespace, loop_rows: list[dict]) -> 
     lines += [
         "",
         f"Whole rounds of `specsplit.pipeline.decode` (greedy, {LOOP_TREE}, {LOOP_TOKENS} tokens = 100 "
-        "rounds a generation, median over generations) on the same no-op engines. Overhead = minus local.",
+        "rounds a generation, median over generations) on the same no-op engines"
+        + (
+            f", which sleep {args.engine_ms[0]:g} ms a draft and {args.engine_ms[1]:g} ms a verification"
+            if any(args.engine_ms)
+            else ""
+        )
+        + ". Overhead = minus local.",
         "",
         "| rounds run by | client ↔ workers one-way delay | µs a round | overhead µs | generations |",
         "|---|---:|---:|---:|---:|",

@@ -122,7 +122,7 @@ class BenchOptions:
     baseline_repeats: int | None = None  # HF decoders time only this many repeats (None: all)
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
-    target_graph_rounds: bool = False  # every SpecSplit target verifies a greedy round in one graph
+    target_graph_rounds: bool = True  # every SpecSplit target verifies a greedy round in one graph
     dynamic_tree: tuple[int, int, int, int] | None = (
         None  # (topk, width, budget, depth) of the dynamic decoders
     )
@@ -459,9 +459,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--target-graph-rounds",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="every SpecSplit target (local, and the gRPC target workers) verifies a greedy round in one "
-        "CUDA graph (TargetConfig.graph_rounds; `specsplit serve --graph-rounds`)",
+        "CUDA graph (TargetConfig.graph_rounds, the default; --no-target-graph-rounds for the A/B: the "
+        "forward alone in a graph, `specsplit serve --no-graph-rounds`)",
     )
     p.add_argument(
         "--overlap-draft-device",
@@ -553,8 +555,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     parts += ["--grpc-workers", args.grpc_workers]
     if args.sync_timing:
         parts.append("--sync-timing")
-    if args.target_graph_rounds:
-        parts.append("--target-graph-rounds")
+    if not args.target_graph_rounds:
+        parts.append("--no-target-graph-rounds")
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]

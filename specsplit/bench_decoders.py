@@ -353,7 +353,7 @@ def _grpc_decoder(
     name: str = "specsplit-grpc",
     overlap: bool = False,
     target_loop: bool = False,
-    target_graph_rounds: bool = False,
+    target_graph_rounds: bool = True,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
@@ -380,7 +380,7 @@ def _grpc_decoder(
         try:
             workers[0].start()
             peer = ["--draft-address", workers[0].address] if target_loop else []
-            peer += ["--graph-rounds"] if target_graph_rounds else []
+            peer += ["--graph-rounds" if target_graph_rounds else "--no-graph-rounds"]
             workers.append(WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype,
                                          args=extra + peer))  # fmt: skip
             workers[1].start()
@@ -433,7 +433,7 @@ def build_decoders(
     compile: bool = False,
     grpc_processes: bool = True,
     dynamic_tree: tuple[int, int, int, int] | None = None,
-    target_graph_rounds: bool = False,
+    target_graph_rounds: bool = True,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -449,7 +449,8 @@ def build_decoders(
         grpc_processes: ``specsplit-grpc`` runs its workers as separate ``specsplit serve``
             processes (real models; the tiny smoke models always run in-process).
         target_graph_rounds: every SpecSplit target verifies a greedy round in one CUDA graph
-            (``TargetConfig.graph_rounds``; ``--graph-rounds`` on the gRPC target workers).
+            (``TargetConfig.graph_rounds``, the default; False gives every target, local or a gRPC
+            worker (``--no-graph-rounds``), the forward alone in a graph, for the A/B).
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.

@@ -199,8 +199,10 @@ class TargetConfig:
             positions, the forward, acceptance and the KV commit of the accepted path) replays as
             ONE graph per tree size and KV bucket, instead of the forward alone with eager ops
             around it. Sampling rounds keep the eager acceptance. Exact on CPU and on an H100
-            (``tests/test_gpu.py``); off by default because its speed-up there was within run-to-run
-            noise (``benchmarks/results/tree_sweep-h100-*.md``).
+            (``tests/test_gpu.py``). On by default: in one process the eager ops hide behind the
+            draft's GPU work (within run-to-run noise, ``benchmarks/results/tree_sweep-h100-*.md``),
+            but a gRPC target worker runs them after the tree arrives, and there the one graph cut
+            a verification from 9.1 to 6.6 ms (``benchmarks/results/h100-2026-11-26-grpc-graph-rounds*.md``).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
@@ -220,7 +222,7 @@ class TargetConfig:
     cuda_graphs: bool = False
     graph_capacity: int = 2048
     compile: bool = False
-    graph_rounds: bool = False
+    graph_rounds: bool = True
     fuse_projections: bool = False
     fold_gqa: bool = True
     attention_kernel: str = "auto"

@@ -302,7 +302,7 @@ def decode_rounds(
             t3 = time.perf_counter()
             if pool is not None:
                 policy.record(t3 - t0, len(kept))
-            server = (dres.stats.wall_time_s if dres else 0.0) + vres.stats.wall_time_s
+            server = (dres.stats.busy_s if dres else 0.0) + vres.stats.busy_s
             stats.rounds.append(
                 RoundStats(
                     accepted=len(vres.accepted_token_ids),

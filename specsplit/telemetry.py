@@ -18,7 +18,9 @@ class RoundStats:
     draft_s: float  # wall time of the draft call
     verify_s: float  # wall time of the verify call
     host_s: float  # orchestrator bookkeeping (stop checks; a streamer's time falls between rounds)
-    transport_s: float = 0.0  # call time not spent inside the engines
+    # call time not spent on the workers' side (in-process: the engines; over gRPC: the handlers,
+    # whose time includes the device sync that serialising a result waits for)
+    transport_s: float = 0.0
     draft_model_s: float = 0.0
     verify_model_s: float = 0.0
     overlap_draft_s: float = 0.0  # overlapped mode: the speculative draft beside verification

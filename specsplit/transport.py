@@ -34,6 +34,15 @@ class WorkerStats:
     forwards: int = 0  # model forward calls
     device: str = ""
     verify_mode: str = ""  # target with SpecPV on: "full" or "partial" ("" otherwise / draft)
+    # Over gRPC: the worker's whole handling of the call, its conversions and the device sync that
+    # serialising the result waits for included (an engine call may return before its GPU work
+    # ends, so wall_time_s alone under-counts it); 0 in-process.
+    server_time_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """Time the call spent on the worker's side (engine, or whole handler over gRPC)."""
+        return max(self.wall_time_s, self.server_time_s)
 
 
 @dataclass

@@ -226,18 +226,23 @@ def test_smoke_with_cuda_graphs_flag_stays_exact(tmp_path: Path) -> None:
 
 
 def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> None:
-    """``--target-graph-rounds``: local targets verify in one graph (same tokens) and it is recorded."""
+    """``--target-graph-rounds`` (the default) reaches local targets; ``--no-target-graph-rounds`` turns it
+    off everywhere (same tokens) and is recorded."""
     from specsplit.bench_decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
-    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-target-only"], k=4, cuda_graphs=True,
-                             target_graph_rounds=True)  # fmt: skip
+    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-target-only"], k=4, cuda_graphs=True)
     try:
-        assert all(d.config.target.graph_rounds for d in decs)
+        assert all(d.config.target.graph_rounds for d in decs)  # the default
     finally:
         for d in decs:
             d.close()
-    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--target-graph-rounds"]
+    decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=True, target_graph_rounds=False)
+    try:
+        assert not decs[0].config.target.graph_rounds  # the A/B's other arm
+    finally:
+        decs[0].close()
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--no-target-graph-rounds"]
     decoders = "hf-target,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
     assert (
         main([*argv, "--repeats", "1", "--decoders", decoders, "--tag", "rounds", "--out", str(tmp_path)])
@@ -245,7 +250,9 @@ def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> N
     )
     (path,) = tmp_path.glob("*-smoke-rounds.json")
     result = json.loads(path.read_text())
-    assert result["config"]["target_graph_rounds"] is True and "--target-graph-rounds" in result["command"]
+    assert (
+        result["config"]["target_graph_rounds"] is False and "--no-target-graph-rounds" in result["command"]
+    )
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
 

@@ -185,3 +185,27 @@ def test_decode_rounds_yields_each_round_and_a_closed_generator_ends_the_session
     full = [t for toks, _ in decode_rounds(transport, prompt, params, [], SpecStats(), "sid-2") for t in toks]
     assert full == ref and all(e.info().active_sessions == 0 for e in engines)
     assert len(ref_stats.rounds) > 1
+
+
+def test_transport_time_excludes_the_workers_handling(llama_target):
+    """``RoundStats.transport_s`` is call time NOT spent on the workers' side: over gRPC a draft
+    worker's handler waits for the device while serialising the tree, after the engine returned,
+    and that wait (``WorkerStats.server_time_s``) is the worker's time, not the network's."""
+    import time as _time
+
+    from specsplit import DraftEngine, LocalTransport, TargetEngine
+    from specsplit.pipeline import DecodeParams, decode
+
+    class SlowHandler(LocalTransport):  # the engine returns at once; the "handler" then waits 30 ms
+        def draft(self, request):
+            res = super().draft(request)
+            _time.sleep(0.03)
+            res.stats.server_time_s = res.stats.wall_time_s + 0.03
+            return res
+
+    transport = SlowHandler(DraftEngine(llama_target), TargetEngine(llama_target))
+    params = DecodeParams(max_new_tokens=12, tree=TreeConfig(shape="chain", num_draft_tokens=3))
+    _, stats = decode(transport, PROMPTS[0], params)
+    drafted = [r for r in stats.rounds if r.drafted_depth]
+    assert drafted and all(r.draft_s >= 0.03 for r in drafted)
+    assert all(r.transport_s < 0.02 for r in drafted), [r.transport_s for r in drafted]

@@ -91,7 +91,7 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, ke
             graph_capacity=512,
             fuse_projections=fuse,
             attention_kernel=kernel,
-            graph_rounds=True,  # opt-in
+            graph_rounds=True,  # the default, named: this test is about it
         ),
     )
     ids = torch.tensor([PROMPTS[0]])
@@ -108,6 +108,29 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, ke
         # the target's greedy round (mask, forward, acceptance, KV commit) is one captured graph
         assert gen.target_engine._rounds
         assert all(r.graph is not None for r in gen.target_engine._rounds.values())
+
+
+@pytest.mark.parametrize("rounds", [True, False], ids=["round-graph", "forward-graph"])
+def test_target_only_cuda_graphs_exact(llama_target, rounds):
+    """Target-only decoding (no draft: an empty tree every round) replays its greedy round from one
+    graph by default, and equals HF greedy decoding either way."""
+    import copy
+
+    _, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    cfg = SpecSplitConfig(
+        target=TargetConfig(
+            device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512, graph_rounds=rounds
+        )
+    )
+    ids = torch.tensor([PROMPTS[2]])
+    ref = target.generate(ids.to(tdev), max_new_tokens=40, do_sample=False).cpu()
+    with SpecSplitGenerator(target, None, config=cfg) as gen:
+        for _ in range(2):
+            out = gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+        graphs = [r.graph for r in gen.target_engine._rounds.values()]
+        assert (bool(graphs) and all(g is not None for g in graphs)) if rounds else not graphs
 
 
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])

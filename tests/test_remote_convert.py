@@ -145,6 +145,8 @@ def test_requests_and_results_round_trip(tree: TreeConfig) -> None:
     dres_back = convert.draft_result_from_proto(convert.draft_result_to_proto(dres, server_time_s=0.5))
     assert_trees_equal(dres_back.tree, t)
     dres_back.tree = t
+    assert dres_back.stats.server_time_s == 0.5 and dres_back.stats.busy_s == 0.5  # the handler's time
+    dres_back.stats.server_time_s = 0.0
     assert dres_back == dres
     vres = VerifyResult([4, 5], 6, [0, 2], 44, 4, 5, stats, cache_hit=True)
     assert convert.verify_result_from_proto(convert.verify_result_to_proto(vres)) == vres

@@ -56,7 +56,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="with --cuda-graphs, capture a whole round in one graph: the draft's tree growth (default on) "
-        "or the target's greedy verification (default off)",
+        "or the target's greedy verification (both default on; --no-graph-rounds: one graph per forward)",
     )
     add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")

@@ -126,6 +126,7 @@ def stats_from_proto(m: pb.Telemetry) -> WorkerStats:
         forwards=m.forwards,
         device=m.device,
         verify_mode=m.verify_mode,
+        server_time_s=m.server_time_s,
     )
 
 
