@@ -202,7 +202,7 @@ class TargetConfig:
             (``tests/test_gpu.py``). On by default: in one process the eager ops hide behind the
             draft's GPU work (within run-to-run noise, ``benchmarks/results/tree_sweep-h100-*.md``),
             but a gRPC target worker runs them after the tree arrives, and there the one graph cut
-            a verification from 9.1 to 6.6 ms (``benchmarks/results/h100-2026-11-26-grpc-graph-rounds*.md``).
+            a verification from 9.1 to 6.7 ms (``benchmarks/results/h100-2026-11-26-grpc-graph-rounds*.md``).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
             Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
             (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
