@@ -106,14 +106,14 @@ def tree_config_from_proto(m: pb.TreeSpec) -> TreeConfig:
     )
 
 
-def stats_to_proto(s: WorkerStats, server_time_s: float = 0.0) -> pb.Telemetry:
+def stats_to_proto(s: WorkerStats) -> pb.Telemetry:
     return pb.Telemetry(
         wall_time_s=s.wall_time_s,
         model_time_s=s.model_time_s,
         tokens_processed=s.tokens_processed,
         forwards=s.forwards,
         device=s.device,
-        server_time_s=server_time_s,
+        server_time_s=s.server_time_s,
         verify_mode=s.verify_mode,
     )
 
@@ -273,12 +273,12 @@ def draft_request_from_proto(m: pb.DraftRequest) -> DraftRequest:
     )
 
 
-def draft_result_to_proto(r: DraftResult, server_time_s: float = 0.0) -> pb.DraftResponse:
+def draft_result_to_proto(r: DraftResult) -> pb.DraftResponse:
     return pb.DraftResponse(
         tree=tree_to_proto(r.tree),
         prefix_length=r.prefix_length,
         cache_hit=r.cache_hit,
-        telemetry=stats_to_proto(r.stats, server_time_s),
+        telemetry=stats_to_proto(r.stats),
         assumed_token_ids=r.assumed_token_ids,
     )
 
@@ -319,7 +319,7 @@ def verify_request_from_proto(m: pb.VerifyRequest) -> VerifyRequest:
     )
 
 
-def verify_result_to_proto(r: VerifyResult, server_time_s: float = 0.0) -> pb.VerifyResponse:
+def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResponse:
     return pb.VerifyResponse(
         accepted_token_ids=r.accepted_token_ids,
         next_token_id=r.next_token_id,
@@ -328,7 +328,7 @@ def verify_result_to_proto(r: VerifyResult, server_time_s: float = 0.0) -> pb.Ve
         num_drafted=r.num_drafted,
         num_nodes=r.num_nodes,
         cache_hit=r.cache_hit,
-        telemetry=stats_to_proto(r.stats, server_time_s),
+        telemetry=stats_to_proto(r.stats),
     )
 
 
