@@ -16,11 +16,11 @@ original design is available through :meth:`TokenTree.to_nodes` / :meth:`TokenTr
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from specsplit.errors import InvalidRequest
@@ -34,6 +34,14 @@ DEFAULT_STATIC_PATHS: tuple[tuple[int, ...], ...] = (
     (0, 0, 0, 0), (0, 0, 0, 1),
     (0, 0, 0, 0, 0),
 )  # fmt: skip
+
+
+def _host(t: torch.Tensor, kind: type = int) -> np.ndarray:
+    """A tensor's values as a host numpy array (int64, or float64 for ``kind=float``)."""
+    t = t.detach()
+    if kind is float:
+        return t.to("cpu", torch.float64).numpy()
+    return t.to("cpu", torch.int64).numpy()
 
 
 def dynamic_level_widths(topk: int, width: int, depth: int) -> tuple[int, ...]:
@@ -181,47 +189,45 @@ class TokenTree:
             raise InvalidRequest(f"tree has {n} nodes; this engine accepts at most {max_nodes}")
         if n == 0:
             return
-        tok = self.token_ids.detach().cpu()
-        par = self.parents.detach().cpu()
-        dep = self.depths.detach().cpu()
-        if int(tok.min()) < 0 or int(tok.max()) >= vocab_size:
-            bad = int(tok[(tok < 0) | (tok >= vocab_size)][0])
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-        idx = torch.arange(n)
-        if bool(((par < -1) | (par >= idx)).any()):
-            i = int(((par < -1) | (par >= idx)).nonzero()[0])
+        # numpy on the host: a tree is tens to hundreds of values, where each torch op's dispatch
+        # (~10 us) would dominate; these checks sit on a remote round's critical path.
+        tok, par, dep = (_host(getattr(self, name)) for name in ("token_ids", "parents", "depths"))
+        bad_tok = (tok < 0) | (tok >= vocab_size)
+        if bad_tok.any():
+            raise InvalidRequest(
+                f"token id {int(tok[bad_tok][0])} is outside the vocabulary [0, {vocab_size})"
+            )
+        bad_par = (par < -1) | (par >= np.arange(n))
+        if bad_par.any():
+            i = int(bad_par.nonzero()[0][0])
             raise InvalidRequest(
                 f"parents[{i}] = {int(par[i])}: parents must be -1 or an earlier node index "
                 "(BFS order, which also rules out cycles)"
             )
         # Parents precede children, so checking each node against its parent's stated depth (roots
         # at 1) proves every stated depth by induction: one vectorised comparison, no per-node loop.
-        expect = torch.where(par >= 0, dep[par.clamp_min(0)] + 1, torch.ones_like(dep))
-        if not torch.equal(expect, dep):
+        expect = np.where(par >= 0, dep[np.maximum(par, 0)] + 1, 1)
+        if not np.array_equal(expect, dep):
             raise InvalidRequest("tree.depths disagree with tree.parents")
         if max_depth is not None and int(dep.max()) > max_depth:
             raise InvalidRequest(f"tree depth {int(dep.max())} exceeds the limit {max_depth}")
-        if not bool(
-            torch.isfinite(self.log_probs.detach().cpu().float())
-            .logical_or(self.log_probs.detach().cpu() == -math.inf)
-            .all()
-        ):
+        lp = _host(self.log_probs, float)
+        if np.isnan(lp).any() or np.isposinf(lp).any():
             raise InvalidRequest("tree.log_probs contain NaN or +inf")
         if (self.q_ids is None) != (self.q_probs is None):
             raise InvalidRequest("q_ids and q_probs must be given together")
         if self.q_ids is not None and self.q_probs is not None:
-            qi = self.q_ids.detach().cpu()
-            qp = self.q_probs.detach().cpu().float()
-            if qi.dim() != 2 or qi.shape[0] != n or qp.shape != qi.shape:
+            qi, qp = _host(self.q_ids), _host(self.q_probs, float)
+            if qi.ndim != 2 or qi.shape[0] != n or qp.shape != qi.shape:
                 raise InvalidRequest(
                     f"q_ids/q_probs must both have shape [{n}, Kq], got {list(qi.shape)} and {list(qp.shape)}"
                 )
-            if qi.numel() and (int(qi.min()) < 0 or int(qi.max()) >= vocab_size):
+            if qi.size and (int(qi.min()) < 0 or int(qi.max()) >= vocab_size):
                 raise InvalidRequest(f"q_ids contain ids outside the vocabulary [0, {vocab_size})")
-            if not bool(torch.isfinite(qp).all()) or bool((qp < 0).any()):
+            if not np.isfinite(qp).all() or (qp < 0).any():
                 raise InvalidRequest("q_probs must be finite and non-negative")
             sums = qp.sum(-1)
-            if not bool(((sums - 1).abs() < 1e-3).logical_or(sums == 0).all()):
+            if not ((np.abs(sums - 1) < 1e-3) | (sums == 0)).all():
                 raise InvalidRequest("each q_probs row must sum to 1 (or be all zero for padding)")
 
     # ------------------------------------------------------------------ nested form

@@ -201,3 +201,39 @@ def test_overlap_two_devices_equals_sequential(llama_target, shape, graphs):
     assert torch.equal(outs[True, False].sequences, ref)
     assert torch.equal(outs[True, True].sequences, outs[False, True].sequences)
     assert outs[True, False].spec_stats.spec_hits > 0
+
+
+@pytest.mark.parametrize("loop", ["client", "target"])
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_grpc_workers_cuda_graphs_exact(llama_target, llama_draft_random, shape, loop):
+    """Over gRPC the target receives host trees; its round graph takes them in one packed copy
+    from pinned memory (``GraphedRound``). Same tokens as HF greedy, round after round."""
+    import copy
+
+    from specsplit.draft import DraftEngine
+    from specsplit.remote import serve_draft, serve_target
+    from specsplit.target import TargetEngine
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    d_engine = DraftEngine(
+        draft, DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512)
+    )
+    t_engine = TargetEngine(
+        target, TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512)
+    )
+    ids = torch.tensor([PROMPTS[0]])
+    ref = target.generate(ids.to(tdev), max_new_tokens=48, do_sample=False).cpu()
+    with serve_draft(d_engine) as d_srv, serve_target(t_engine, draft_address=d_srv.address) as t_srv:
+        cfg = SpecSplitConfig(
+            transport="grpc", target_address=t_srv.address, draft_address=d_srv.address,
+            tree=TreeConfig(shape=shape), grpc_loop=loop,
+        )  # fmt: skip
+        with SpecSplitGenerator(None, None, config=cfg) as gen:
+            for _ in range(2):
+                out = gen.generate(ids, max_new_tokens=48, return_dict_in_generate=True)
+                assert torch.equal(out.sequences, ref)
+    rounds = list(t_engine._rounds.values())
+    assert rounds and all(r.graph is not None for r in rounds)
+    assert any(r._stage is not None for r in rounds)  # the host trees went through the packed copy

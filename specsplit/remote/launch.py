@@ -58,14 +58,18 @@ class WorkerProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> WorkerProcess:
-        """Spawn the worker and wait for ``READY``; raises TransportError if it does not come."""
+    def command(self) -> list[str]:
+        """The worker's command line (``python -m specsplit.cli serve ...``); subclasses may wrap it."""
         cmd = [sys.executable, "-m", "specsplit.cli", "serve", self.role, "--model", self.model,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, *self.args]  # fmt: skip
         if self.device:
             cmd += ["--device", self.device]
+        return cmd
+
+    def start(self) -> WorkerProcess:
+        """Spawn the worker and wait for ``READY``; raises TransportError if it does not come."""
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+            self.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
         )
         threading.Thread(target=self._drain, daemon=True).start()  # a full stderr pipe would block it
         line: list[str] = []
