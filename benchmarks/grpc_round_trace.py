@@ -73,6 +73,11 @@ class _Recorder:
 
         setattr(owner, attr, inner)
 
+    def wrap_all(self, *points: tuple[Any, str, str]) -> None:
+        """:meth:`wrap` each ``(owner, attribute, span name)``."""
+        for owner, attr, name in points:
+            self.wrap(owner, attr, name)
+
     def dump(self) -> None:
         import torch
 
@@ -127,12 +132,14 @@ def _install_draft(rec: _Recorder) -> None:
     from specsplit.remote import convert, server
 
     _gpu_span(rec, DraftEngine, "generate", convert, "draft_result_to_proto", "d.gpu")
-    rec.wrap(server.DraftServicer, "GenerateDrafts", "d.handler")
-    rec.wrap(convert, "draft_request_from_proto", "d.req_decode")
-    rec.wrap(DraftEngine, "generate", "d.engine")
-    rec.wrap(DraftEngine, "_feed", "d.feed")
-    rec.wrap(DraftEngine, "_grow", "d.grow")
-    rec.wrap(convert, "draft_result_to_proto", "d.encode")
+    rec.wrap_all(
+        (server.DraftServicer, "GenerateDrafts", "d.handler"),
+        (convert, "draft_request_from_proto", "d.req_decode"),
+        (DraftEngine, "generate", "d.engine"),
+        (DraftEngine, "_feed", "d.feed"),
+        (DraftEngine, "_grow", "d.grow"),
+        (convert, "draft_result_to_proto", "d.encode"),
+    )
 
 
 def _install_target(rec: _Recorder) -> None:
@@ -142,16 +149,19 @@ def _install_target(rec: _Recorder) -> None:
     from specsplit.verification import VerifyOutcome
 
     _gpu_span(rec, TargetEngine, "_verify_one_graph", TargetEngine, "_verify_one_graph", "t.gpu")
-    rec.wrap(target_loop.TargetLoopTransport, "draft", "t.draft")
-    rec.wrap(target_loop.TargetLoopTransport, "verify", "t.verify")
-    rec.wrap(target_loop.TargetLoopTransport, "end_session", "t.end")
-    rec.wrap(convert, "draft_request_to_proto", "t.req_encode")
-    rec.wrap(client.GrpcTransport, "_call", "t.call")
-    rec.wrap(convert, "draft_result_from_proto", "t.tree_decode")
-    rec.wrap(TokenTree, "validate", "t.validate")
-    rec.wrap(TargetEngine, "_verify_one_graph", "t.round")
-    rec.wrap(VerifyOutcome, "to_host", "t.sync")
-    rec.wrap(convert, "generate_update_to_proto", "t.update_encode")
+    loop = target_loop.TargetLoopTransport
+    rec.wrap_all(
+        (loop, "draft", "t.draft"),
+        (loop, "verify", "t.verify"),
+        (loop, "end_session", "t.end"),
+        (convert, "draft_request_to_proto", "t.req_encode"),
+        (client.GrpcTransport, "_call", "t.call"),
+        (convert, "draft_result_from_proto", "t.tree_decode"),
+        (TokenTree, "validate", "t.validate"),
+        (TargetEngine, "_verify_one_graph", "t.round"),
+        (VerifyOutcome, "to_host", "t.sync"),
+        (convert, "generate_update_to_proto", "t.update_encode"),
+    )
     original = server.TargetServicer.Generate
     spans = rec.spans
 
