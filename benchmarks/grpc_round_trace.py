@@ -424,14 +424,19 @@ def per_prompt(
     out: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         lo, hi = r["start_ns"], r["end_ns"]
-        starts = [s for s, _ in drafts if lo <= s <= hi]
-        ends = [e for _, e in verifies if lo <= e <= hi]
+        mine = [d for d in drafts if lo <= d[0] <= hi]
+        starts = [s for s, _ in mine]
+        checks = [v for v in verifies if lo <= v[1] <= hi]
+        ends = [e for _, e in checks]
         if len(starts) < 3 or not ends:
             continue
         diffs = [(b - a) * ms for a, b in zip(starts, starts[1:], strict=False)]
         out["steady round"] += diffs[1:]
         out["setup: client call to first draft call"].append((starts[0] - lo) * ms)
         out["first round (prefill)"].append(diffs[0])
+        # The first round's two calls: the draft's prefill and tree, the target's prefill and check.
+        out["first round: draft call"].append((mine[0][1] - mine[0][0]) * ms)
+        out["first round: verify call"].append((checks[0][1] - checks[0][0]) * ms)
         out["last round"].append((ends[-1] - starts[-1]) * ms)
         out["teardown: last verify to client return"].append((hi - ends[-1]) * ms)
         out["outside the steady rounds"].append((hi - lo) * ms - sum(diffs[1:]))

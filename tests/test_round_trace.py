@@ -101,6 +101,8 @@ def test_per_prompt_splits_the_wall_time():
     assert out["steady round"]["n"] == 4 and out["steady round"]["median"] == pytest.approx(24.12)
     assert out["setup: client call to first draft call"]["median"] == pytest.approx(1.0)
     assert out["first round (prefill)"]["median"] == pytest.approx(24.12)
+    assert out["first round: draft call"]["median"] == pytest.approx(18.18)  # 50 + 700 + 16700 + 500 + 230 us
+    assert out["first round: verify call"]["median"] == pytest.approx(5.5)
     assert out["last round"]["median"] == pytest.approx(23.72)
     assert out["teardown: last verify to client return"]["median"] == pytest.approx(2.0)
     wall = (end1 + 2000 * US - (10**9 - 1000 * US)) * 1e-6
