@@ -44,6 +44,9 @@ def test_valid_tree_passes_and_reports_bounds():
         (lambda t: t.depths.__setitem__(0, 2), "depths disagree"),  # a root below depth 1
         (lambda t: t.depths.copy_(torch.tensor([1, 1, 3, 4])), "depths disagree"),  # shifted subtree
         (lambda t: t.log_probs.__setitem__(0, math.nan), "NaN"),
+        (lambda t: t.log_probs.__setitem__(1, math.inf), r"\+inf"),
+        (lambda t: t.parents.__setitem__(3, 4), "earlier node"),  # beyond the last node
+        (lambda t: setattr(t, "q_ids", t.q_ids[:, :1]), "must both have shape"),
         (lambda t: t.q_probs.__setitem__((0, 0), math.nan), "finite"),
         (lambda t: t.q_probs.__setitem__((1, 1), -0.25), "non-negative"),
         (lambda t: t.q_probs.__setitem__((2, 0), 0.9), "sum to 1"),
@@ -134,3 +137,10 @@ def test_empty_tree():
     t = TokenTree.empty()
     t.validate(10)
     assert t.num_nodes == 0 and t.bounds() == (0, 0)
+
+
+def test_minus_inf_log_probs_are_valid():
+    """A node the draft gave probability zero has log q = -inf: allowed (only NaN and +inf are not)."""
+    t = _tree([5, 6, 7, 8], [-1, -1, 0, 2], q=True)
+    t.log_probs[1] = -math.inf
+    t.validate(vocab_size=50)
