@@ -155,7 +155,7 @@ def _install_target(rec: _Recorder) -> None:
         (loop, "verify", "t.verify"),
         (loop, "end_session", "t.end"),
         (convert, "draft_request_to_proto", "t.req_encode"),
-        (client.GrpcTransport, "_call", "t.call"),
+        (client.GrpcTransport, "_call_or_stream", "t.call"),
         (convert, "draft_result_from_proto", "t.tree_decode"),
         (TokenTree, "validate", "t.validate"),
         (TargetEngine, "_verify_one_graph", "t.round"),
@@ -412,13 +412,17 @@ def analyze(target: dict[str, Any], draft: dict[str, Any], lo: int, hi: int) -> 
 
 
 def per_prompt(
-    rows: list[dict[str, Any]], drafts: list[tuple[int, int]], verifies: list[tuple[int, int]]
+    rows: list[dict[str, Any]],
+    drafts: list[tuple[int, int]],
+    verifies: list[tuple[int, int]],
+    inner: dict[str, list[tuple[int, int]]] | None = None,
 ) -> dict[str, Any]:
     """Split each prompt's client wall time into its steady rounds and what lies around them.
 
     ``drafts`` / ``verifies``: the loop's draft and verify spans (any process: one clock). A round
     runs from one draft call's start to the next; the first round holds the prefill, the last
-    one ends at its verification.
+    one ends at its verification. ``inner``: named spans inside the draft engine (its ingest and
+    tree growth); the first of each inside the first draft call is reported as ``first round: <name>``.
     """
     ms = 1e-6
     out: dict[str, list[float]] = defaultdict(list)
@@ -437,6 +441,10 @@ def per_prompt(
         # The first round's two calls: the draft's prefill and tree, the target's prefill and check.
         out["first round: draft call"].append((mine[0][1] - mine[0][0]) * ms)
         out["first round: verify call"].append((checks[0][1] - checks[0][0]) * ms)
+        for name, spans in (inner or {}).items():
+            inside = [sp for sp in spans if mine[0][0] <= sp[0] and sp[1] <= mine[0][1]]
+            if inside:
+                out[f"first round: {name}"].append((inside[0][1] - inside[0][0]) * ms)
         out["last round"].append((ends[-1] - starts[-1]) * ms)
         out["teardown: last verify to client return"].append((hi - ends[-1]) * ms)
         out["outside the steady rounds"].append((hi - lo) * ms - sum(diffs[1:]))
@@ -453,6 +461,9 @@ def _table(res: dict[str, Any]) -> str:
         f"Command: `{res['command']}`",
         "",
         f"Worker environment of the experiment: {res.get('experiment_env', '(none)')}",
+        "",
+        f"The target worker's draft calls: {res.get('draft_calls', 'unary')} (runs before the draft stream "
+        "existed made unary calls).",
         "",
         f"Local (one process): {res.get('local_ms_per_round', float('nan')):.2f} ms a round; gRPC target loop: "
         f"{res['grpc_ms_per_round']:.2f} ms a round (wall / rounds over all prompts; "
@@ -555,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run every prompt once before timing (as specsplit bench does): first rounds then hold no "
         "graph captures",
     )
+    ap.add_argument(
+        "--no-draft-stream",
+        action="store_true",
+        help="the target worker calls the draft worker with unary calls (the A/B of the draft stream)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
@@ -584,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "tree": args.dynamic_tree,
         "warmup_all": args.warmup_all,
+        "draft_calls": "unary" if args.no_draft_stream else "stream",
         "experiment_env": " ".join(
             f"{k}={os.environ[k]}"
             for k in (
@@ -602,15 +619,19 @@ def main(argv: list[str] | None = None) -> int:
             target=TargetConfig(model=args.target, device=args.device, dtype=args.dtype, cuda_graphs=graphs),
         )
         gen = SpecSplitGenerator.from_pretrained(args.target, args.draft, tokenizer=tok, config=cfg)
+        from specsplit.draft import DraftEngine
         from specsplit.local import LocalTransport
 
         local_rec = _Recorder("")
         local_rec.wrap(LocalTransport, "draft", "l.draft")
         local_rec.wrap(LocalTransport, "verify", "l.verify")
+        local_rec.wrap(DraftEngine, "_feed", "l.feed")
+        local_rec.wrap(DraftEngine, "_grow", "l.grow")
         _run_prompts(gen, warm, args.max_new_tokens)
         rows, _, _ = _run_prompts(gen, prompts, args.max_new_tokens)
         spans = _spans_by_name({"spans": local_rec.spans}, rows[0]["start_ns"], rows[-1]["end_ns"])
-        result["local_prompts"] = per_prompt(rows, spans["l.draft"], spans["l.verify"])
+        inner = {"draft ingest": spans["l.feed"], "draft tree growth": spans["l.grow"]}
+        result["local_prompts"] = per_prompt(rows, spans["l.draft"], spans["l.verify"], inner)
         result["local"] = rows
         result["local_ms_per_round"] = 1e3 * sum(r["wall_s"] for r in rows) / sum(r["rounds"] for r in rows)
         gen.close()
@@ -623,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     d = worker(str(tmp / "draft.json"), "draft", args.draft, device=args.device, dtype=args.dtype, args=serve)
     d.start()
     t = worker(str(tmp / "target.json"), "target", args.target, device=args.device, dtype=args.dtype,
-               args=[*serve, "--draft-address", d.address])  # fmt: skip
+               args=[*serve, "--draft-address", d.address, *(["--no-draft-stream"] if args.no_draft_stream else [])])  # fmt: skip
     try:
         t.start()
         cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=t.address,
@@ -639,7 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     traces = {role: json.loads((tmp / f"{role}.json").read_text()) for role in ("target", "draft")}
     result["trace"] = analyze(traces["target"], traces["draft"], lo, hi)
     spans = _spans_by_name(traces["target"], lo, hi)
-    result["grpc_prompts"] = per_prompt(rows, spans["t.draft"], spans["t.verify"])
+    d_spans = _spans_by_name(traces["draft"], lo, hi)
+    inner = {"draft ingest": d_spans["d.feed"], "draft tree growth": d_spans["d.grow"]}
+    result["grpc_prompts"] = per_prompt(rows, spans["t.draft"], spans["t.verify"], inner)
     print(_write(result, args.out, "grpc_round_trace" + (f"-{args.tag}" if args.tag else "")))
     return 0
 

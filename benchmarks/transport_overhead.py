@@ -146,10 +146,13 @@ def serve_noop(engine_ms: tuple[float, float]) -> int:
     limits = ServerLimits(max_tree_nodes=256)
     d = serve_draft(NoopDraft(engine_ms[0] / 1e3), limits=limits)
     t = serve_target(NoopTarget(engine_ms[1] / 1e3), limits=limits, draft_address=d.address)
-    print(f"READY {d.port} {t.port}", flush=True)
+    # the same, calling the draft worker with unary calls (the A/B of the draft stream)
+    t_unary = serve_target(NoopTarget(engine_ms[1] / 1e3), limits=limits, draft_address=d.address,
+                           draft_streams=False)  # fmt: skip
+    print(f"READY {d.port} {t.port} {t_unary.port}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
-    d.stop(0)
-    t.stop(0)
+    for w in (d, t, t_unary):
+        w.stop(0)
     return 0
 
 
@@ -314,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if not line or line[0] != "READY":
         raise SystemExit(f"no-op workers did not start: {line}")
     grpc_t = GrpcTransport(f"127.0.0.1:{line[2]}", f"127.0.0.1:{line[1]}", timeout_s=30)
+    unary_t = GrpcTransport(f"127.0.0.1:{line[3]}", f"127.0.0.1:{line[1]}", timeout_s=30, streams=False)
     local_t = LocalTransport(
         NoopDraft(args.engine_ms[0] / 1e3),
         NoopTarget(args.engine_ms[1] / 1e3),  # type: ignore[arg-type]
@@ -322,14 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, cfg in ({} if args.loops_only else SHAPES).items():
             for do_sample in (False, True):
-                for t in (local_t, grpc_t):
+                for t in (local_t, grpc_t, unary_t):
                     measure(t, cfg, do_sample, args.warmup)
-                # Interleave blocks so drift on a shared machine hits both transports alike.
+                # Interleave blocks so drift on a shared machine hits all transports alike.
                 loc: dict[str, list[float]] = {"draft": [], "verify": []}
                 rem: dict[str, list[float]] = {"draft": [], "verify": []}
+                una: dict[str, list[float]] = {"draft": [], "verify": []}
                 block = max(1, args.rounds // 10)
                 for _ in range(10):
-                    for acc, t in ((loc, local_t), (rem, grpc_t)):
+                    for acc, t in ((loc, local_t), (rem, grpc_t), (una, unary_t)):
                         m = measure(t, cfg, do_sample, block)
                         acc["draft"] += m["draft"]
                         acc["verify"] += m["verify"]
@@ -341,16 +346,22 @@ def main(argv: list[str] | None = None) -> int:
                         statistics.median(rem[call]) - statistics.median(loc[call])
                     )
                     row[f"{call}_overhead_us_p90"] = 1e6 * (pct(rem[call], 0.9) - pct(loc[call], 0.9))
+                    row[f"{call}_unary_overhead_us_median"] = 1e6 * (
+                        statistics.median(una[call]) - statistics.median(loc[call])
+                    )
+                    row[f"{call}_unary_overhead_us_p90"] = 1e6 * (pct(una[call], 0.9) - pct(loc[call], 0.9))
                     row[f"{call}_local_us_median"] = 1e6 * statistics.median(loc[call])
                     row[f"{call}_bytes"] = sizes[f"{call}_request"] + sizes[f"{call}_response"]
                 row.update(sizes)
                 rows.append(row)
                 print(f"{name:16s} {row['mode']:20s} draft +{row['draft_overhead_us_median']:7.0f} us "
-                      f"{row['draft_bytes']:6d} B | verify +{row['verify_overhead_us_median']:7.0f} us "
+                      f"(unary +{row['draft_unary_overhead_us_median']:5.0f}) {row['draft_bytes']:6d} B | verify "
+                      f"+{row['verify_overhead_us_median']:7.0f} us (unary +{row['verify_unary_overhead_us_median']:5.0f}) "
                       f"{row['verify_bytes']:6d} B", flush=True)  # fmt: skip
-        loops: dict[str, list[float]] = {"local": [], "grpc, client loop": [], "grpc, target loop": []}
         runs = [("local", local_t, "client"), ("grpc, client loop", grpc_t, "client"),
-                ("grpc, target loop", grpc_t, "target")]  # fmt: skip
+                ("grpc, target loop", grpc_t, "target"), ("grpc, client loop, unary calls", unary_t, "client"),
+                ("grpc, target loop, unary calls", unary_t, "target")]  # fmt: skip
+        loops: dict[str, list[float]] = {name: [] for name, _, _ in runs}
         for _, t, loop in runs:
             measure_loop(t, loop, 2)
         gens = max(5, args.rounds // 100)
@@ -379,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 far.close()
     finally:
         grpc_t.close()
+        unary_t.close()
         proc.stdin.close()
         proc.wait(timeout=30)
     write(rows, args, loop_rows)
@@ -427,17 +439,20 @@ def write(rows: list[dict], args: argparse.Namespace, loop_rows: list[dict]) -> 
         lines += [
             "",
             "Overhead = gRPC minus LocalTransport on the same no-op engines and requests (median, p90 in "
-            "brackets), loopback, workers in a subprocess. Bytes = protobuf payload, request + response.",
+            "brackets), loopback, workers in a subprocess, calls over the long-lived streams (the default) "
+            "and as unary calls (`streams=False`). Bytes = protobuf payload, request + response.",
             "",
-            "| tree | nodes | mode | draft µs | draft bytes | verify µs | verify bytes |",
-            "|---|---:|---|---:|---:|---:|---:|",
+            "| tree | nodes | mode | draft µs | draft µs, unary | draft bytes | verify µs | verify µs, unary "
+            "| verify bytes |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
     for r in rows:
-        lines.append(
-            f"| {r['shape']} | {r['nodes']} | {r['mode']} | {r['draft_overhead_us_median']:.0f} "
-            f"({r['draft_overhead_us_p90']:.0f}) | {r['draft_bytes']} | {r['verify_overhead_us_median']:.0f} "
-            f"({r['verify_overhead_us_p90']:.0f}) | {r['verify_bytes']} |"
-        )
+        cells = [r["shape"], r["nodes"], r["mode"]]
+        for call in ("draft", "verify"):
+            cells += [f"{r[f'{call}_overhead_us_median']:.0f} ({r[f'{call}_overhead_us_p90']:.0f})",
+                      f"{r[f'{call}_unary_overhead_us_median']:.0f} ({r[f'{call}_unary_overhead_us_p90']:.0f})",
+                      r[f"{call}_bytes"]]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += [
         "",
         f"Whole rounds of `specsplit.pipeline.decode` (greedy, {LOOP_TREE}, {LOOP_TOKENS} tokens = 100 "

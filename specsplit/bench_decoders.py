@@ -55,6 +55,8 @@ DECODERS = (
 # (``SpecSplitConfig.grpc_loop="target"``: one network hop a round instead of two).
 # ``specsplit-grpc-dynamic`` / ``-grpc-targetloop-dynamic`` (no suffix): that A/B without torch.compile
 # (plain CUDA graphs with ``--cuda-graphs``; their workers start in seconds instead of minutes).
+# ``...-unary``: the same with unary calls instead of the long-lived streams (the streams' A/B:
+# ``SpecSplitConfig(grpc_streams=False)``, ``specsplit serve target --no-draft-stream``).
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
@@ -67,6 +69,8 @@ OPTIONAL_DECODERS = (
     "specsplit-grpc-targetloop-overlap-dynamic-compiled",
     "specsplit-grpc-dynamic",
     "specsplit-grpc-targetloop-dynamic",
+    "specsplit-grpc-dynamic-unary",
+    "specsplit-grpc-targetloop-dynamic-unary",
 )
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
@@ -354,12 +358,14 @@ def _grpc_decoder(
     overlap: bool = False,
     target_loop: bool = False,
     target_graph_rounds: bool = True,
+    streams: bool = True,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
     decoder is unavailable."""
     what = _tree_words(tree)
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
+    what += "" if streams else ", unary calls"
     draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
     if overlap:
         what += f", overlapped pipeline (draft worker on {draft_device}, target worker on {m.device})"
@@ -381,6 +387,7 @@ def _grpc_decoder(
             workers[0].start()
             peer = ["--draft-address", workers[0].address] if target_loop else []
             peer += ["--graph-rounds" if target_graph_rounds else "--no-graph-rounds"]
+            peer += [] if streams or not target_loop else ["--no-draft-stream"]
             workers.append(WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype,
                                          args=extra + peer))  # fmt: skip
             workers[1].start()
@@ -390,7 +397,8 @@ def _grpc_decoder(
             raise
         cfg = SpecSplitConfig(transport="grpc", draft_address=workers[0].address,
                               target_address=workers[1].address, tree=copy.deepcopy(tree),
-                              sync_timing=False, timeout_s=600.0, overlap=overlap, grpc_loop=loop)  # fmt: skip
+                              sync_timing=False, timeout_s=600.0, overlap=overlap, grpc_loop=loop,
+                              grpc_streams=streams)  # fmt: skip
         pgen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
         def close_processes() -> None:
@@ -408,11 +416,15 @@ def _grpc_decoder(
     )
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
     t_srv = serve_target(
-        t_engine, port=0, host="127.0.0.1", draft_address=d_srv.address if target_loop else None
+        t_engine,
+        port=0,
+        host="127.0.0.1",
+        draft_address=d_srv.address if target_loop else None,
+        draft_streams=streams,
     )
     cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
                           tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0, overlap=overlap,
-                          grpc_loop=loop)  # fmt: skip
+                          grpc_loop=loop, grpc_streams=streams)  # fmt: skip
     gen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
     def close() -> None:
@@ -483,6 +495,8 @@ def build_decoders(
     trees["specsplit-grpc-overlap-dynamic"] = trees["specsplit-dynamic"]
     trees["specsplit-grpc-targetloop-dynamic"] = trees["specsplit-dynamic"]
     trees["specsplit-grpc-targetloop-overlap-dynamic"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc-dynamic-unary"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc-targetloop-dynamic-unary"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -506,6 +520,8 @@ def build_decoders(
     labels["specsplit-grpc-targetloop-overlap-dynamic"] = (
         f"{labels['specsplit-dynamic']} over gRPC, {on_target}, overlapped pipeline"
     )
+    for name in ("specsplit-grpc-dynamic", "specsplit-grpc-targetloop-dynamic"):
+        labels[f"{name}-unary"] = f"{labels[name]}, unary calls instead of streams"
     for name in (
         n for n in OPTIONAL_DECODERS if n.endswith(COMPILED_SUFFIX)
     ):  # these always fuse their graphs
@@ -539,7 +555,8 @@ def build_decoders(
                 dec = _grpc_decoder(m, trees[base], sync, cuda_graphs or fused, compile or fused,
                                     grpc_processes, name, overlap="-overlap" in base,
                                     target_loop="-targetloop" in base,
-                                    target_graph_rounds=target_graph_rounds)  # fmt: skip
+                                    target_graph_rounds=target_graph_rounds,
+                                    streams=not base.endswith("-unary"))  # fmt: skip
                 if isinstance(dec, str):
                     logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec

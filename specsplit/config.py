@@ -262,6 +262,11 @@ class SpecSplitConfig:
             ``"target"`` (one ``Generate`` call; the target worker calls the draft worker it was
             started with, ``specsplit serve target --draft-address``, one hop a round, and streams
             the committed tokens back; ``draft_address`` is then unused). Same tokens either way.
+        grpc_streams: in gRPC mode, send each round's draft and verify calls over long-lived
+            streams (``GenerateDraftsStream`` / ``VerifyDraftsStream``; about half a unary call's
+            latency, same semantics, unary calls wherever a worker refuses or lacks them).
+            ``False``: unary calls only. A target worker running the rounds has its own switch,
+            ``specsplit serve target --no-draft-stream``.
     """
 
     transport: Literal["local", "grpc"] = "local"
@@ -277,6 +282,7 @@ class SpecSplitConfig:
     overlap_policy: Literal["adaptive", "always"] = "adaptive"
     sync_timing: bool = False
     grpc_loop: Literal["client", "target"] = "client"
+    grpc_streams: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in ("local", "grpc"):

@@ -268,10 +268,15 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert [d.name for d in decs] == ["specsplit-dynamic", *OPTIONAL_DECODERS] and not skipped
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
-            if not d.name.endswith("-compiled"):  # the plain gRPC A/B pair: graphs only with --cuda-graphs
-                assert d.name in ("specsplit-grpc-dynamic", "specsplit-grpc-targetloop-dynamic")
+            if not d.name.endswith("-compiled"):  # the plain gRPC A/B pairs: graphs only with --cuda-graphs
+                assert d.name.removesuffix("-unary") in (
+                    "specsplit-grpc-dynamic",
+                    "specsplit-grpc-targetloop-dynamic",
+                )
                 assert "torch.compile" not in d.label and not d.shape_warmup
                 assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
+                assert d.config.grpc_streams == (not d.name.endswith("-unary"))  # the streams' A/B
+                assert ("unary calls" in d.label) == d.name.endswith("-unary")
                 continue
             assert d.shape_warmup  # a graph per KV bucket: warmed up on every prompt
             assert "fused by torch.compile" in d.label, d.label

@@ -345,3 +345,74 @@ def test_serve_rejects_draft_peer_options_on_a_draft_worker(tmp_path: Path, caps
 
     assert main(["serve", "draft", "--model", str(tmp_path), "--draft-address", "127.0.0.1:5"]) == 2
     assert "target options" in capsys.readouterr().err
+
+
+def test_an_engine_error_mid_generation_reaches_the_client_and_the_worker_keeps_serving(
+    model_dirs, engines
+) -> None:
+    """The rounds run on their own thread: an error there still ends the call with its status code,
+    frees the session on both workers, and the next generation runs normally."""
+    from specsplit.errors import ResourceExhausted
+
+    d_engine, t_engine = DraftEngine(load_saved(model_dirs[1])), TargetEngine(load_saved(model_dirs[0]))
+    d_srv = serve_draft(d_engine)
+    t_srv = serve_target(t_engine, draft_address=d_srv.address, draft_timeout_s=5.0)
+    ids, _ = prompts(1, seed=2)
+    expected = SpecSplitGenerator(
+        transport=LocalTransport(*engines), config=SpecSplitConfig(tree=TREES["chain4"])
+    )
+    expected = expected.generate(ids, max_new_tokens=30)
+    real_verify, calls = t_engine.verify, []
+
+    def failing_verify(req):  # noqa: ANN001, ANN202
+        calls.append(1)
+        if len(calls) == 3:
+            raise ResourceExhausted("scripted: out of KV blocks")
+        return real_verify(req)
+
+    t_engine.verify = failing_verify
+    try:
+        with loop_gen(t_srv.address, TREES["chain4"]) as gen:
+            with pytest.raises(ResourceExhausted, match="scripted"):
+                gen.generate(ids, max_new_tokens=30)
+            assert wait_until(
+                lambda: (t_engine.active_sessions, d_engine.active_sessions) == (0, 0), timeout=10
+            )
+            assert torch.equal(gen.generate(ids, max_new_tokens=30), expected)
+    finally:
+        t_srv.stop(grace=1.0)
+        d_srv.stop(grace=0.0)
+
+
+@pytest.mark.parametrize("draft_streams", [True, False])
+def test_draft_calls_over_a_stream_or_unary_give_the_same_tokens(model_dirs, engines, draft_streams) -> None:
+    """``specsplit serve target --no-draft-stream`` (unary draft calls) is the A/B of the draft stream."""
+    d_engine, t_engine = DraftEngine(load_saved(model_dirs[1])), TargetEngine(load_saved(model_dirs[0]))
+    d_srv = serve_draft(d_engine)
+    t_srv = serve_target(t_engine, draft_address=d_srv.address, draft_streams=draft_streams)
+    ids, mask = prompts(1, seed=6)
+    local = SpecSplitGenerator(
+        transport=LocalTransport(*engines), config=SpecSplitConfig(tree=TREES["dynamic16"])
+    )
+    for sampling in SAMPLING.values():
+        ref = run(local, ids, mask, sampling, torch.Generator().manual_seed(3), n=30)
+        try:
+            with loop_gen(t_srv.address, TREES["dynamic16"], grpc_streams=draft_streams) as gen:
+                out = run(gen, ids, mask, sampling, torch.Generator().manual_seed(3), n=30)
+        except Exception:
+            t_srv.stop(grace=0.0)
+            d_srv.stop(grace=0.0)
+            raise
+        assert torch.equal(out.sequences, ref.sequences)
+        assert round_stats(out) == round_stats(ref)
+    stream = t_srv_loop_stream(t_srv)
+    t_srv.stop(grace=1.0)
+    d_srv.stop(grace=0.0)
+    assert (stream is not None) == draft_streams  # the worker's draft client used its stream (or had none)
+
+
+def t_srv_loop_stream(server) -> object:  # noqa: ANN001
+    """The open draft stream of a target worker's draft client (``None``: none opened)."""
+    loop = next(cb.__self__ for cb in server.on_stop if getattr(cb, "__name__", "") == "close")
+    draft = loop._draft  # noqa: SLF001
+    return draft._draft_stream.call if draft._draft_stream is not None else None  # noqa: SLF001

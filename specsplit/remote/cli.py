@@ -67,6 +67,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "(clients with grpc_loop='target': one network hop a round instead of two)",
     )
     p.add_argument(
+        "--draft-stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="target: call the draft worker over one long-lived gRPC stream (default; about half a "
+        "unary call's latency); --no-draft-stream: one unary call a round",
+    )
+    p.add_argument(
         "--draft-auth-token-file",
         default=None,
         help="target: file holding the draft worker's bearer token (or set SPECSPLIT_DRAFT_AUTH_TOKEN)",
@@ -164,8 +171,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
     draft_peer: dict[str, Any] = {}
-    if args.role == "draft" and (args.draft_address or args.draft_auth_token_file or args.draft_tls_ca):
-        raise ConfigError("--draft-address, --draft-auth-token-file and --draft-tls-ca are target options")
+    if args.role == "draft" and (
+        args.draft_address or args.draft_auth_token_file or args.draft_tls_ca or not args.draft_stream
+    ):
+        raise ConfigError(
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca and --no-draft-stream are target options"
+        )
     if args.draft_address:
         draft_peer = {
             "draft_address": args.draft_address,
@@ -173,6 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 args.draft_auth_token_file, "SPECSPLIT_DRAFT_AUTH_TOKEN", "--draft-auth-token-file"
             ),
             "draft_tls_ca_file": args.draft_tls_ca,
+            "draft_streams": args.draft_stream,
         }
     common = engine_options(args)
     limits = ServerLimits(

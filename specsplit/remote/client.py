@@ -32,12 +32,27 @@ Retry policy, and why it is safe:
 
 Reconnection is gRPC's: channels reconnect on their own; the backoff is capped at one second so a
 restarted worker is found again quickly.
+
+Streams (``streams=True``, the default): ``GenerateDrafts`` and ``VerifyDrafts`` go over one
+long-lived bidirectional stream per method (``GenerateDraftsStream`` / ``VerifyDraftsStream``), one
+request and one reply at a time, which skips a unary call's setup and the worker's hand-off to a
+fresh request thread: about half of a small call's latency on loopback
+(``benchmarks/grpc_hops.py``). The semantics are the unary call's: the same deadline per call (a
+watchdog cancels the stream when a reply is late), the same errors, the same retry policy (a
+stream that breaks with ``UNAVAILABLE`` is retried as unary calls, where the policy allows). Any
+error closes the stream; the next call opens a new one. A call finds the stream busy (another
+thread's call) and makes the unary call instead, as it does while a worker refuses streams
+(``RESOURCE_EXHAUSTED`` with ``specsplit-stream: full``; retried after 30 s) or does not know them
+(``UNIMPLEMENTED``: an older worker). A stream unused for 5 s is closed, since it holds one of
+the worker's request threads.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import math
+import queue
 import threading
 import time
 from pathlib import Path
@@ -78,6 +93,11 @@ _BACKOFF_MAX_S = 1.0
 # a still-dead draft costs one such wait per draft_retry_interval_s.
 _PROBE_TIMEOUT_S = 3.0
 _END_SESSION_TIMEOUT_S = 5.0  # cleanup only: a lost EndSession is caught by the worker's TTL
+# Trailing metadata of a stream a worker refused because it already serves its share of streams.
+STREAM_FULL_KEY = "specsplit-stream"
+_STREAM_IDLE_S = 5.0  # a stream unused this long is closed (it holds one of the worker's threads)
+_STREAM_REFUSED_S = 30.0  # after a worker refused a stream, unary calls this long before trying again
+_WATCH_S = 0.5  # how often the stream watchdog looks at deadlines and idle streams
 
 
 class _Peer:
@@ -88,6 +108,54 @@ class _Peer:
         self.address = address
         self.channel = channel
         self.stub = stub
+
+
+class _Stream:
+    """One method's long-lived bidirectional stream to a worker, used by one call at a time.
+
+    The caller holds ``lock`` for an exchange (a caller that finds it taken makes the unary call).
+    ``deadline`` is when the pending reply is due (``inf`` between calls); the transport's watchdog
+    cancels the stream past it, or closes it after ``_STREAM_IDLE_S`` unused.
+    """
+
+    def __init__(self, peer: _Peer, method: str, unary: str):
+        self.peer, self.method, self.unary = peer, method, unary
+        self.lock = threading.Lock()
+        self.call: Any = None
+        self.requests: queue.SimpleQueue[Any] | None = None
+        self.deadline = math.inf
+        self.last_used = 0.0
+        self.timed_out = False
+        self.retry_at = 0.0  # no stream before this monotonic time (refused; inf: unimplemented)
+
+    def exchange(self, msg: Any, timeout: float, metadata: Any) -> Any:
+        """Send ``msg`` and wait for its reply; opens the stream if needed (lock held).
+
+        Raises:
+            StopIteration: the worker ended the stream without answering.
+            grpc.RpcError: the stream failed (it is closed).
+        """
+        if self.call is None:
+            self.requests = queue.SimpleQueue()
+            self.call = getattr(self.peer.stub, self.method)(iter(self.requests.get, None), metadata=metadata)
+            self.timed_out = False
+        self.deadline = time.monotonic() + timeout
+        self.requests.put(msg)  # type: ignore[union-attr]
+        try:
+            return next(self.call)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.deadline = math.inf
+            self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        """End the stream (idempotent); the next exchange opens a new one."""
+        if self.call is not None:
+            self.requests.put(None)  # type: ignore[union-attr]
+            self.call.cancel()
+            self.call = self.requests = None
 
 
 class GrpcTransport:
@@ -103,6 +171,8 @@ class GrpcTransport:
         max_message_bytes: largest message sent or received.
         draft_retry_interval_s: after the draft worker failed, how long ``has_draft`` stays False
             before the next probe (a probe waits up to 3 s for the worker to answer).
+        streams: send ``GenerateDrafts`` / ``VerifyDrafts`` over long-lived streams (see the
+            module docstring); ``False``: unary calls only.
     """
 
     def __init__(
@@ -115,6 +185,7 @@ class GrpcTransport:
         tls_ca_file: str | Path | None = None,
         max_message_bytes: int = convert.DEFAULT_MAX_MESSAGE_BYTES,
         draft_retry_interval_s: float = 30.0,
+        streams: bool = True,
     ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -148,6 +219,17 @@ class GrpcTransport:
         self._lock = threading.Lock()
         self._draft_down_since: float | None = None
         self._closed = False
+        self._draft_stream = (
+            _Stream(self._draft, "GenerateDraftsStream", "GenerateDrafts")
+            if streams and self._draft
+            else None
+        )
+        self._verify_stream = (
+            _Stream(self._target, "VerifyDraftsStream", "VerifyDrafts") if streams and self._target else None
+        )
+        self._watchdog: threading.Thread | None = None
+        self._stop_watch = threading.Event()
+        self._ending: set[Any] = set()  # EndSession calls sent without waiting
 
     @classmethod
     def from_config(cls, config: SpecSplitConfig) -> GrpcTransport:
@@ -160,6 +242,7 @@ class GrpcTransport:
             timeout_s=config.timeout_s,
             auth_token=config.auth_token,
             tls_ca_file=config.tls_ca_file,
+            streams=config.grpc_streams,
         )
 
     # ------------------------------------------------------------------ Transport protocol
@@ -193,7 +276,7 @@ class GrpcTransport:
             raise TransportError("no draft worker configured (draft_address is None)")
         msg = _encode(convert.draft_request_to_proto, request)
         try:
-            resp = self._call(self._draft, "GenerateDrafts", msg, timeout=self.timeout_s, retry=False)
+            resp = self._call_or_stream(self._draft, self._draft_stream, msg, retry=False)
         except TransportError as e:
             self._mark_draft_down(e)
             raise
@@ -201,7 +284,7 @@ class GrpcTransport:
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         msg = _encode(convert.verify_request_to_proto, request)
-        resp = self._call(self._target_peer(), "VerifyDrafts", msg, timeout=self.timeout_s, retry=True)
+        resp = self._call_or_stream(self._target_peer(), self._verify_stream, msg, retry=True)
         return convert.verify_result_from_proto(resp)
 
     def generate_on_target(self, request: GenerateRequest) -> GenerateStream:
@@ -221,20 +304,51 @@ class GrpcTransport:
             raise TransportError(f"target worker at {peer.address}: {e}") from None
         return GenerateStream(call, peer, self.timeout_s)
 
-    def end_session(self, session_id: str) -> None:
-        """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
+    def end_session(self, session_id: str, wait: bool = True) -> None:
+        """Free the session on both workers; never raises (the workers' TTL is the backstop).
+
+        ``wait=False`` sends the calls and returns at once (no retry; a failure is logged).
+        :meth:`info` and :meth:`close` first wait for such calls still in flight.
+        """
         msg = pb.EndSessionRequest(session_id=session_id)
         timeout = min(self.timeout_s, _END_SESSION_TIMEOUT_S)
         peers = [self._target] if self._target is not None else []
         peers += [self._draft] if self._draft is not None and self._draft_up() else []
         for p in peers:
+            if not wait and not self._closed:
+                try:
+                    fut = p.stub.EndSession.future(msg, timeout=timeout, metadata=self._metadata)
+                except ValueError:  # a closed channel
+                    continue
+                with self._lock:
+                    self._ending.add(fut)
+                fut.add_done_callback(lambda f, p=p: self._ended(f, p, session_id))
+                continue
             try:
                 self._call(p, "EndSession", msg, timeout=timeout, retry=True)
             except SpecSplitError as e:
                 logger.info("EndSession(%s) on the %s worker failed: %s", session_id, p.role, e)
 
+    def _ended(self, fut: Any, peer: _Peer, session_id: str) -> None:
+        with self._lock:
+            self._ending.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.info("EndSession(%s) on the %s worker failed: %s", session_id, peer.role,
+                        _to_error(peer, "EndSession", fut.exception()))  # fmt: skip
+
+    def _wait_ending(self) -> None:
+        """Wait (bounded by the calls' own deadlines) for EndSession calls sent without waiting."""
+        with self._lock:
+            pending = list(self._ending)
+        for fut in pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001, S110 - logged by _ended
+                pass
+
     def info(self) -> dict[str, WorkerInfo]:
         """``{"target": ..., "draft": ...}`` from ``Ping`` (draft omitted when it is down or absent)."""
+        self._wait_ending()  # so active_sessions counts sessions this client ended
         msg = pb.PingRequest(client_protocol_version=PROTOCOL_VERSION)
         out = {"target": self._ping(self._target, msg)} if self._target is not None else {}
         if self._draft is not None and self.has_draft:
@@ -246,10 +360,15 @@ class GrpcTransport:
 
     def close(self) -> None:
         """Close both channels (idempotent); later calls raise :class:`TransportError`."""
+        self._wait_ending()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self._stop_watch.set()
+        for st in (self._draft_stream, self._verify_stream):
+            if st is not None:
+                st.close()
         for p in (self._target, self._draft):
             if p is not None:
                 p.channel.close()
@@ -297,6 +416,76 @@ class GrpcTransport:
                 error,
                 self.draft_retry_interval_s,
             )
+
+    def _call_or_stream(self, peer: _Peer, stream: _Stream | None, msg: Any, *, retry: bool) -> Any:
+        """One ``GenerateDrafts`` / ``VerifyDrafts``: over the stream where it can, else unary.
+
+        The unary call is made when streams are off, refused or unknown to the worker, when another
+        thread is using the stream, when the worker ended it unanswered, and (only with ``retry``)
+        when it broke with ``UNAVAILABLE``, with what is left of the call's deadline.
+        """
+        if self._closed:
+            raise TransportError("GrpcTransport is closed")
+        deadline = time.monotonic() + self.timeout_s
+        if stream is None or time.monotonic() < stream.retry_at or not stream.lock.acquire(blocking=False):
+            return self._call(
+                peer, stream.unary if stream else _UNARY[peer.role], msg, timeout=self.timeout_s, retry=retry
+            )
+        try:
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch_streams, name="specsplit-stream-watchdog",
+                                                  daemon=True)  # fmt: skip
+                self._watchdog.start()
+            return stream.exchange(msg, self.timeout_s, self._metadata)
+        except StopIteration:
+            pass  # ended between messages without reading this one: send it unary
+        except ValueError as e:  # a closed channel
+            raise TransportError(f"{peer.role} worker at {peer.address}: {e}") from None
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+            md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                stream.retry_at = math.inf
+                logger.info("%s worker at %s has no %s (older version); unary calls", peer.role, peer.address,
+                            stream.method)  # fmt: skip
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and md.get(STREAM_FULL_KEY) == "full":
+                stream.retry_at = time.monotonic() + _STREAM_REFUSED_S
+                logger.info("%s worker at %s refused a stream (%s); unary calls for %.0fs", peer.role,
+                            peer.address, _details(e), _STREAM_REFUSED_S)  # fmt: skip
+            elif stream.timed_out:
+                raise TransportError(
+                    f"{peer.role} worker at {peer.address}: {stream.unary} failed: DEADLINE_EXCEEDED: no reply "
+                    f"within {self.timeout_s:g}s (timeout_s); stream cancelled"
+                ) from None
+            elif not (retry and code == grpc.StatusCode.UNAVAILABLE):
+                raise _to_error(peer, stream.unary, e) from None
+        finally:
+            stream.lock.release()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransportError(
+                f"{peer.role} worker at {peer.address}: {stream.unary} failed: DEADLINE_EXCEEDED"
+            )
+        return self._call(peer, stream.unary, msg, timeout=remaining, retry=retry)
+
+    def _watch_streams(self) -> None:
+        """Cancel streams whose reply is overdue; close streams unused for ``_STREAM_IDLE_S``."""
+        streams = [st for st in (self._draft_stream, self._verify_stream) if st is not None]
+        while not self._stop_watch.wait(_WATCH_S):
+            now = time.monotonic()
+            for st in streams:
+                call = st.call
+                if call is None:
+                    continue
+                if now > st.deadline:
+                    st.timed_out = True
+                    call.cancel()
+                elif now - st.last_used > _STREAM_IDLE_S and st.lock.acquire(blocking=False):
+                    try:
+                        if st.call is not None and time.monotonic() - st.last_used > _STREAM_IDLE_S:
+                            st.close()
+                    finally:
+                        st.lock.release()
 
     def _call(
         self, peer: _Peer, method: str, msg: Any, *, timeout: float, retry: bool, wait: bool = False
@@ -379,6 +568,9 @@ class GenerateStream:
         """Stop the generation (idempotent)."""
         self._done.set()
         self._call.cancel()
+
+
+_UNARY = {"draft": "GenerateDrafts", "target": "VerifyDrafts"}
 
 
 def _encode(fn: Any, request: Any) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from specsplit.pipeline import OverlapPolicies, decode_rounds
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
-from specsplit.remote.client import GrpcTransport
+from specsplit.remote.client import STREAM_FULL_KEY, GrpcTransport
 from specsplit.remote.target_loop import TargetLoopTransport, decode_params
 from specsplit.telemetry import SpecStats
 from specsplit.transport import GenerateUpdate
@@ -133,13 +134,42 @@ class _SessionLocks:
 
 
 class _Handler:
-    """What both servicers share: session locking, timing and error-to-status mapping."""
+    """What both servicers share: session locking, timing, error-to-status mapping and the count
+    of open streams (each holds a request thread; at most ``max_streams`` at once)."""
 
-    def __init__(self, engine: Any, worker_type: str, limits: ServerLimits):
+    def __init__(self, engine: Any, worker_type: str, limits: ServerLimits, max_streams: int):
         self.engine = engine
         self.worker_type = worker_type
         self.limits = limits
         self.locks = _SessionLocks()
+        self.max_streams = max_streams
+        self._streams = 0
+        self._streams_guard = threading.Lock()
+
+    def stream(
+        self, requests: Iterator[Any], context: grpc.ServicerContext, call: Callable[[Any, Any], R]
+    ) -> Iterator[R]:
+        """Serve a request stream: ``call(request, context)`` per message, one response each.
+
+        ``call`` is the unary handler, so checks, errors and status codes are the unary call's; an
+        error aborts (ends) the stream. Refuses the stream when ``max_streams`` are already open.
+        """
+        with self._streams_guard:
+            full = self._streams >= self.max_streams
+            if not full:
+                self._streams += 1
+        if full:
+            context.set_trailing_metadata(((STREAM_FULL_KEY, "full"),))
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this {self.worker_type} worker already serves {self.max_streams} streams; make unary calls",
+            )
+        try:
+            for request in requests:
+                yield call(request, context)
+        finally:
+            with self._streams_guard:
+                self._streams -= 1
 
     def run(self, context: grpc.ServicerContext, session_id: str | None, work: Callable[[float], R]) -> R:
         t0 = time.perf_counter()
@@ -199,8 +229,8 @@ class _Handler:
 class DraftServicer(pb_grpc.DraftServiceServicer):
     """``DraftService`` over a :class:`specsplit.draft.DraftEngine`."""
 
-    def __init__(self, engine: Any, limits: ServerLimits | None = None):
-        self._h = _Handler(engine, "draft", limits or ServerLimits())
+    def __init__(self, engine: Any, limits: ServerLimits | None = None, max_streams: int = 4):
+        self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams)
 
     def _check_limits(self, m: pb.DraftRequest) -> None:
         lim = self._h.limits
@@ -222,6 +252,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
         return self._h.run(context, request.session_id, work)
 
+    def GenerateDraftsStream(
+        self, request_iterator: Iterator[pb.DraftRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.DraftResponse]:
+        return self._h.stream(request_iterator, context, self.GenerateDrafts)
+
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
     ) -> pb.EndSessionResponse:
@@ -238,16 +273,23 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         engine: the target engine.
         limits: request limits (the engine's own tree and context limits take precedence).
         draft: client of the draft worker ``Generate`` calls draft on (``None``: target-only).
+        max_streams: most ``VerifyDraftsStream`` streams open at once (each holds a request thread).
     """
 
-    def __init__(self, engine: Any, limits: ServerLimits | None = None, draft: GrpcTransport | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        limits: ServerLimits | None = None,
+        draft: GrpcTransport | None = None,
+        max_streams: int = 4,
+    ):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
         if cfg is not None:  # the engine's own limits are the ones that matter on the target
             limits = ServerLimits(
                 limits.max_message_bytes, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.max_context
             )
-        self._h = _Handler(engine, "target", limits)
+        self._h = _Handler(engine, "target", limits, max_streams)
         self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
 
@@ -267,14 +309,21 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
         return self._h.run(context, request.session_id, work)
 
+    def VerifyDraftsStream(
+        self, request_iterator: Iterator[pb.VerifyRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.VerifyResponse]:
+        return self._h.stream(request_iterator, context, self.VerifyDrafts)
+
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
         """Run a whole generation here (rounds draft on this worker's draft worker); stream its rounds.
 
-        The round loop (:func:`~specsplit.pipeline.decode_rounds`) runs in this handler's thread and
-        each round is sent as it finishes. A cancelled call stops iterating it, which ends the
-        session on both workers before another round starts.
+        The round loop (:func:`~specsplit.pipeline.decode_rounds`) runs on its own thread and hands
+        each round's update to this handler, which sends it: the next round starts while gRPC is
+        still sending this one (the send waits for the transport, ~0.2-0.4 ms on loopback). A
+        cancelled call stops the loop after the round in flight, which ends the session on both
+        workers.
         """
 
         def check(t0: float) -> Any:
@@ -283,19 +332,40 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return req, decode_params(req, self._h.engine.model_vocab_size, self._h.limits, self._policies)
 
         req, params = self._h.run(context, None, check)
-        stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
-        rounds = decode_rounds(self.loop, req.prompt_token_ids, params, [], stats, req.session_id)
+        updates: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        stop = threading.Event()
+
+        def loop() -> None:
+            stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
+            rounds = decode_rounds(self.loop, req.prompt_token_ids, params, [], stats, req.session_id)
+            try:
+                with torch.inference_mode(), self._h.locks.hold(req.session_id):
+                    try:
+                        for tokens, round_stats in rounds:
+                            updates.put(
+                                convert.generate_update_to_proto(GenerateUpdate([(tokens, round_stats)]))
+                            )
+                            if stop.is_set() or not context.is_active():  # the client went away
+                                return
+                    finally:
+                        rounds.close()  # ends the session on both workers, also when the client cancelled
+            except BaseException as e:  # noqa: BLE001 - handed to the handler, which maps it to a status
+                updates.put(e)
+                return
+            done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
+            updates.put(convert.generate_update_to_proto(done))
+
+        threading.Thread(target=loop, name="specsplit-generate", daemon=True).start()
         try:
-            with torch.inference_mode(), self._h.locks.hold(req.session_id):
-                try:
-                    for tokens, round_stats in rounds:
-                        yield convert.generate_update_to_proto(GenerateUpdate([(tokens, round_stats)]))
-                finally:
-                    rounds.close()  # ends the session on both workers, also when the client cancelled
-        except Exception as e:
-            self._h.fail(context, e, req.session_id)
-        done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
-        yield convert.generate_update_to_proto(done)
+            while True:
+                item = updates.get()
+                if isinstance(item, BaseException):
+                    self._h.fail(context, item, req.session_id)
+                yield item
+                if item.done:
+                    return
+        finally:
+            stop.set()  # the client cancelled (or the call ended): no further round starts
 
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
@@ -315,7 +385,13 @@ class _BearerAuth(grpc.ServerInterceptor):
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        # one denial per call kind, so a streaming call is refused as a stream
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         if details.method.startswith(_HEALTH_PREFIX):
@@ -325,9 +401,10 @@ class _BearerAuth(grpc.ServerInterceptor):
             if key == "authorization":
                 got = value if isinstance(value, str) else value.decode("latin-1")
                 break
-        if hmac.compare_digest(got.encode("latin-1", "replace"), self._expected):
-            return continuation(details)
-        return self._deny
+        handler = continuation(details)
+        if handler is None or hmac.compare_digest(got.encode("latin-1", "replace"), self._expected):
+            return handler
+        return self._deny[(handler.request_streaming, handler.response_streaming)]
 
 
 class WorkerServer:
@@ -455,7 +532,9 @@ def serve_draft(
         engine: the engine; the caller keeps ownership.
         port: TCP port; 0 picks a free one (read it from ``.port``).
         host: interface to bind (``"0.0.0.0"`` for every interface).
-        max_workers: request threads (concurrent calls; one session's calls are serialised).
+        max_workers: request threads (concurrent calls; one session's calls are serialised). An
+            open stream (``GenerateDraftsStream`` / ``VerifyDraftsStream``) holds one for its
+            whole length, so at most ``max_workers // 2`` (at least 1) are accepted at once.
         tls: ``(certificate chain PEM file, private key PEM file)`` to serve TLS.
         auth_token: require ``authorization: Bearer <auth_token>`` on every call.
         limits: request limits (defaults: :class:`ServerLimits`).
@@ -465,7 +544,7 @@ def serve_draft(
     """
     limits = limits or ServerLimits()
     return _serve(
-        "draft", DraftServicer(engine, limits), pb_grpc.add_DraftServiceServicer_to_server,
+        "draft", DraftServicer(engine, limits, _max_streams(max_workers)), pb_grpc.add_DraftServiceServicer_to_server,
         engine, port, host, max_workers, tls, auth_token, limits,
     )  # fmt: skip
 
@@ -483,6 +562,7 @@ def serve_target(
     draft_auth_token: str | None = None,
     draft_tls_ca_file: str | Path | None = None,
     draft_timeout_s: float = 60.0,
+    draft_streams: bool = True,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
 
@@ -493,6 +573,8 @@ def serve_target(
             ``SpecSplitConfig(grpc_loop="target")``); ``None``: such generations are target-only.
         draft_auth_token / draft_tls_ca_file: how this worker authenticates to the draft worker.
         draft_timeout_s: deadline of each call to the draft worker.
+        draft_streams: call the draft worker over a long-lived stream (``GenerateDraftsStream``;
+            ``False``: unary ``GenerateDrafts`` calls).
 
     Each running ``Generate`` holds one of the ``max_workers`` request threads for its whole length.
     """
@@ -500,11 +582,16 @@ def serve_target(
     draft = None
     if draft_address:
         draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
-                              tls_ca_file=draft_tls_ca_file)  # fmt: skip
-    servicer = TargetServicer(engine, limits, draft)
+                              tls_ca_file=draft_tls_ca_file, streams=draft_streams)  # fmt: skip
+    servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers))
     server = _serve(
         "target", servicer, pb_grpc.add_TargetServiceServicer_to_server,
         engine, port, host, max_workers, tls, auth_token, limits,
     )  # fmt: skip
     server.on_stop.append(servicer.loop.close)
     return server
+
+
+def _max_streams(max_workers: int) -> int:
+    """Streams a worker with ``max_workers`` request threads accepts at once (see "Streams")."""
+    return max(1, max_workers // 2)

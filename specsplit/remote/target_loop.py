@@ -68,8 +68,8 @@ class TargetLoopTransport:
 
     def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
-        if self._draft is not None:
-            self._draft.end_session(session_id)
+        if self._draft is not None:  # sent, not waited for: the generation's last message goes out first
+            self._draft.end_session(session_id, wait=False)
 
     def info(self) -> dict[str, WorkerInfo]:
         out = {"target": self.engine.info()}

@@ -39,6 +39,11 @@ class DraftServiceStub:
                 request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.GenerateDraftsStream = channel.stream_stream(
+                '/specsplit.v1.DraftService/GenerateDraftsStream',
+                request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specsplit.v1.DraftService/EndSession',
                 request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.EndSessionRequest.SerializeToString,
@@ -63,6 +68,13 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateDraftsStream(self, request_iterator, context):
+        """GenerateDrafts over one long-lived stream (see "Streams" above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Free a session (idempotent).
         """
@@ -82,6 +94,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GenerateDrafts': grpc.unary_unary_rpc_method_handler(
                     servicer.GenerateDrafts,
+                    request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftResponse.SerializeToString,
+            ),
+            'GenerateDraftsStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateDraftsStream,
                     request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.DraftResponse.SerializeToString,
             ),
@@ -122,6 +139,33 @@ class DraftService:
             request,
             target,
             '/specsplit.v1.DraftService/GenerateDrafts',
+            specsplit_dot_v1_dot_spec__decoding__pb2.DraftRequest.SerializeToString,
+            specsplit_dot_v1_dot_spec__decoding__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateDraftsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.DraftService/GenerateDraftsStream',
             specsplit_dot_v1_dot_spec__decoding__pb2.DraftRequest.SerializeToString,
             specsplit_dot_v1_dot_spec__decoding__pb2.DraftResponse.FromString,
             options,
@@ -204,6 +248,11 @@ class TargetServiceStub:
                 request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyDraftsStream = channel.stream_stream(
+                '/specsplit.v1.TargetService/VerifyDraftsStream',
+                request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specsplit.v1.TargetService/EndSession',
                 request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.EndSessionRequest.SerializeToString,
@@ -229,6 +278,13 @@ class TargetServiceServicer:
         """Verify a tree against the session's KV cache, keep the accepted path, return the accepted
         tokens plus one target token. Not idempotent, but a replay is detected through
         expected_prefix_length (FAILED_PRECONDITION), so a retry never commits a round twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyDraftsStream(self, request_iterator, context):
+        """VerifyDrafts over one long-lived stream (see "Streams" above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -262,6 +318,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'VerifyDrafts': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyDrafts,
+                    request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyDraftsStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyDraftsStream,
                     request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.VerifyResponse.SerializeToString,
             ),
@@ -307,6 +368,33 @@ class TargetService:
             request,
             target,
             '/specsplit.v1.TargetService/VerifyDrafts',
+            specsplit_dot_v1_dot_spec__decoding__pb2.VerifyRequest.SerializeToString,
+            specsplit_dot_v1_dot_spec__decoding__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyDraftsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.TargetService/VerifyDraftsStream',
             specsplit_dot_v1_dot_spec__decoding__pb2.VerifyRequest.SerializeToString,
             specsplit_dot_v1_dot_spec__decoding__pb2.VerifyResponse.FromString,
             options,
