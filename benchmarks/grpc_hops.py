@@ -13,7 +13,9 @@ it, and raw TCP as the floor:
 ``--gap-ms`` sleeps between calls, as a real round waits ~10-20 ms for its GPU work between two
 draft calls (threads go cold; on VMs waking them is what costs).
 
-    python benchmarks/grpc_hops.py --calls 2000 --gap-ms 0,10 [--json out.json]
+    python benchmarks/grpc_hops.py --calls 2000 --gap-ms 0,10 --tag gpu-host
+        # writes benchmarks/results/grpc_hops-<tag>.{json,md,png}
+    python benchmarks/grpc_hops.py --rerender benchmarks/results/grpc_hops-<tag>.json
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
 
 _METHOD_U = "/hops.Echo/Unary"
 _METHOD_S = "/hops.Echo/Stream"
@@ -170,6 +176,47 @@ def measure(style: str, calls: int, gap_s: float, payload: bytes) -> list[float]
         proc.wait(timeout=30)
 
 
+def write(result: dict[str, Any], out: Path, stem: str) -> None:
+    """``<stem>.json``, a markdown table and a bar plot (when matplotlib is installed) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [
+        f"# gRPC round trip by call style ({result.get('tag') or 'untagged'})",
+        "",
+        f"`{result['command']}` — grpcio {result['grpcio']}, {result['cpus']} CPUs, {result.get('cpu', '')}.",
+        "",
+        f"One {result['bytes']}-byte message each way between two processes on loopback, median and p90 of "
+        f"{result['calls']} calls after 50 warm-up calls; `gap` = sleep between calls (a round's GPU wait).",
+        "",
+        "| style | gap ms | median µs | p90 µs |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {r['style']} | {r['gap_ms']:g} | {r['median_us']:.0f} | {r['p90_us']:.0f} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    sys.path.insert(0, str(ROOT))
+    from specsplit.bench_report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    gaps = sorted({r["gap_ms"] for r in result["rows"]})
+    styles = list(dict.fromkeys(r["style"] for r in result["rows"]))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.8 / len(gaps)
+    for j, gap in enumerate(gaps):
+        med = {r["style"]: r["median_us"] for r in result["rows"] if r["gap_ms"] == gap}
+        ax.bar([i + j * w for i in range(len(styles))], [med.get(st, 0) for st in styles], w,
+               label=f"gap {gap:g} ms")  # fmt: skip
+    ax.set_xticks([i + w * (len(gaps) - 1) / 2 for i in range(len(styles))], styles)
+    ax.set_ylabel("median round trip (µs)")
+    ax.set_title(f"gRPC round trip by call style ({result.get('tag') or ''})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve", choices=["sync", "aio", "tcp"], help=argparse.SUPPRESS)
@@ -177,10 +224,15 @@ def main() -> None:
     ap.add_argument("--gap-ms", default="0,10", help="comma list of sleeps between calls")
     ap.add_argument("--bytes", type=int, default=700, help="payload size each way")
     ap.add_argument("--styles", default="tcp,sync-unary,sync-stream,aio-unary,aio-stream")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--tag", default="", help="results file suffix")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--rerender", type=Path, help="write the .md and .png again from this result .json")
     args = ap.parse_args()
     if args.serve:
         serve(args.serve)
+        return
+    if args.rerender:
+        write(json.loads(args.rerender.read_text()), args.rerender.parent, args.rerender.stem)
         return
     payload = os.urandom(args.bytes)
     rows = []
@@ -197,9 +249,17 @@ def main() -> None:
             }
             rows.append(row)
             print(f"| {style} | {gap:g} | {row['median_us']:.0f} | {row['p90_us']:.0f} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"grpcio": grpc.__version__, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+    result = {
+        "command": "python benchmarks/grpc_hops.py " + " ".join(sys.argv[1:]),
+        "tag": args.tag,
+        "grpcio": grpc.__version__,
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "calls": args.calls,
+        "bytes": args.bytes,
+        "rows": rows,
+    }
+    write(result, args.out, "grpc_hops" + (f"-{args.tag}" if args.tag else ""))
 
 
 if __name__ == "__main__":

@@ -460,6 +460,7 @@ def _table(res: dict[str, Any]) -> str:
         "",
         f"Command: `{res['command']}`",
         "",
+        *([f"> {res['note']}", ""] if res.get("note") else []),
         f"Worker environment of the experiment: {res.get('experiment_env', '(none)')}",
         "",
         f"The target worker's draft calls: {res.get('draft_calls', 'unary')} (runs before the draft stream "

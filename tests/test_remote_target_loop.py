@@ -350,8 +350,8 @@ def test_serve_rejects_draft_peer_options_on_a_draft_worker(tmp_path: Path, caps
 def test_an_engine_error_mid_generation_reaches_the_client_and_the_worker_keeps_serving(
     model_dirs, engines
 ) -> None:
-    """The rounds run on their own thread: an error there still ends the call with its status code,
-    frees the session on both workers, and the next generation runs normally."""
+    """An error in a round ends the call with its status code, frees the session on both workers,
+    and the next generation runs normally."""
     from specsplit.errors import ResourceExhausted
 
     d_engine, t_engine = DraftEngine(load_saved(model_dirs[1])), TargetEngine(load_saved(model_dirs[0]))
@@ -413,6 +413,6 @@ def test_draft_calls_over_a_stream_or_unary_give_the_same_tokens(model_dirs, eng
 
 def t_srv_loop_stream(server) -> object:  # noqa: ANN001
     """The open draft stream of a target worker's draft client (``None``: none opened)."""
-    loop = next(cb.__self__ for cb in server.on_stop if getattr(cb, "__name__", "") == "close")
+    loop = next(cb.__self__ for cb in server.on_stop if hasattr(getattr(cb, "__self__", None), "_draft"))
     draft = loop._draft  # noqa: SLF001
     return draft._draft_stream.call if draft._draft_stream is not None else None  # noqa: SLF001

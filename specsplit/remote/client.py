@@ -229,7 +229,6 @@ class GrpcTransport:
         )
         self._watchdog: threading.Thread | None = None
         self._stop_watch = threading.Event()
-        self._ending: set[Any] = set()  # EndSession calls sent without waiting
 
     @classmethod
     def from_config(cls, config: SpecSplitConfig) -> GrpcTransport:
@@ -304,51 +303,20 @@ class GrpcTransport:
             raise TransportError(f"target worker at {peer.address}: {e}") from None
         return GenerateStream(call, peer, self.timeout_s)
 
-    def end_session(self, session_id: str, wait: bool = True) -> None:
-        """Free the session on both workers; never raises (the workers' TTL is the backstop).
-
-        ``wait=False`` sends the calls and returns at once (no retry; a failure is logged).
-        :meth:`info` and :meth:`close` first wait for such calls still in flight.
-        """
+    def end_session(self, session_id: str) -> None:
+        """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
         msg = pb.EndSessionRequest(session_id=session_id)
         timeout = min(self.timeout_s, _END_SESSION_TIMEOUT_S)
         peers = [self._target] if self._target is not None else []
         peers += [self._draft] if self._draft is not None and self._draft_up() else []
         for p in peers:
-            if not wait and not self._closed:
-                try:
-                    fut = p.stub.EndSession.future(msg, timeout=timeout, metadata=self._metadata)
-                except ValueError:  # a closed channel
-                    continue
-                with self._lock:
-                    self._ending.add(fut)
-                fut.add_done_callback(lambda f, p=p: self._ended(f, p, session_id))
-                continue
             try:
                 self._call(p, "EndSession", msg, timeout=timeout, retry=True)
             except SpecSplitError as e:
                 logger.info("EndSession(%s) on the %s worker failed: %s", session_id, p.role, e)
 
-    def _ended(self, fut: Any, peer: _Peer, session_id: str) -> None:
-        with self._lock:
-            self._ending.discard(fut)
-        if not fut.cancelled() and fut.exception() is not None:
-            logger.info("EndSession(%s) on the %s worker failed: %s", session_id, peer.role,
-                        _to_error(peer, "EndSession", fut.exception()))  # fmt: skip
-
-    def _wait_ending(self) -> None:
-        """Wait (bounded by the calls' own deadlines) for EndSession calls sent without waiting."""
-        with self._lock:
-            pending = list(self._ending)
-        for fut in pending:
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001, S110 - logged by _ended
-                pass
-
     def info(self) -> dict[str, WorkerInfo]:
         """``{"target": ..., "draft": ...}`` from ``Ping`` (draft omitted when it is down or absent)."""
-        self._wait_ending()  # so active_sessions counts sessions this client ended
         msg = pb.PingRequest(client_protocol_version=PROTOCOL_VERSION)
         out = {"target": self._ping(self._target, msg)} if self._target is not None else {}
         if self._draft is not None and self.has_draft:
@@ -360,7 +328,6 @@ class GrpcTransport:
 
     def close(self) -> None:
         """Close both channels (idempotent); later calls raise :class:`TransportError`."""
-        self._wait_ending()
         with self._lock:
             if self._closed:
                 return

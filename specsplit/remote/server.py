@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -319,11 +318,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     ) -> Iterator[pb.GenerateResponse]:
         """Run a whole generation here (rounds draft on this worker's draft worker); stream its rounds.
 
-        The round loop (:func:`~specsplit.pipeline.decode_rounds`) runs on its own thread and hands
-        each round's update to this handler, which sends it: the next round starts while gRPC is
-        still sending this one (the send waits for the transport, ~0.2-0.4 ms on loopback). A
-        cancelled call stops the loop after the round in flight, which ends the session on both
-        workers.
+        The round loop (:func:`~specsplit.pipeline.decode_rounds`) runs in this handler's thread and
+        each round is sent as it finishes. A cancelled call stops iterating it, which ends the
+        session on both workers before another round starts.
         """
 
         def check(t0: float) -> Any:
@@ -332,40 +329,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return req, decode_params(req, self._h.engine.model_vocab_size, self._h.limits, self._policies)
 
         req, params = self._h.run(context, None, check)
-        updates: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        stop = threading.Event()
-
-        def loop() -> None:
-            stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
-            rounds = decode_rounds(self.loop, req.prompt_token_ids, params, [], stats, req.session_id)
-            try:
-                with torch.inference_mode(), self._h.locks.hold(req.session_id):
-                    try:
-                        for tokens, round_stats in rounds:
-                            updates.put(
-                                convert.generate_update_to_proto(GenerateUpdate([(tokens, round_stats)]))
-                            )
-                            if stop.is_set() or not context.is_active():  # the client went away
-                                return
-                    finally:
-                        rounds.close()  # ends the session on both workers, also when the client cancelled
-            except BaseException as e:  # noqa: BLE001 - handed to the handler, which maps it to a status
-                updates.put(e)
-                return
-            done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
-            updates.put(convert.generate_update_to_proto(done))
-
-        threading.Thread(target=loop, name="specsplit-generate", daemon=True).start()
+        stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
+        rounds = decode_rounds(self.loop, req.prompt_token_ids, params, [], stats, req.session_id)
         try:
-            while True:
-                item = updates.get()
-                if isinstance(item, BaseException):
-                    self._h.fail(context, item, req.session_id)
-                yield item
-                if item.done:
-                    return
-        finally:
-            stop.set()  # the client cancelled (or the call ended): no further round starts
+            with torch.inference_mode(), self._h.locks.hold(req.session_id):
+                try:
+                    for tokens, round_stats in rounds:
+                        yield convert.generate_update_to_proto(GenerateUpdate([(tokens, round_stats)]))
+                finally:
+                    rounds.close()  # ends the session on both workers, also when the client cancelled
+        except Exception as e:
+            self._h.fail(context, e, req.session_id)
+        done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
+        yield convert.generate_update_to_proto(done)
 
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext

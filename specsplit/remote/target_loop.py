@@ -68,8 +68,10 @@ class TargetLoopTransport:
 
     def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
-        if self._draft is not None:  # sent, not waited for: the generation's last message goes out first
-            self._draft.end_session(session_id, wait=False)
+        if self._draft is not None:
+            # Waited for: the draft worker lends its one graph workspace to one session at a time, so
+            # the next generation's session must not arrive before this one has given it back.
+            self._draft.end_session(session_id)
 
     def info(self) -> dict[str, WorkerInfo]:
         out = {"target": self.engine.info()}
