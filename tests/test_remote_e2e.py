@@ -107,6 +107,21 @@ def test_local_and_grpc_identical(workers, engines, tree: str, sampling: str, ba
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_unary_calls_equal_local(workers, engines, sampling: str) -> None:
+    """``grpc_streams=False`` (one unary call per draft and verify) is the streams' A/B."""
+    ids, mask = prompts(1, seed=4)
+    ref = run(local_gen(engines, TREES["static16"]), ids, mask, SAMPLING[sampling], seed=5)
+    target, drafter = workers
+    cfg = SpecSplitConfig(transport="grpc", tree=TREES["static16"], target_address=target.address,
+                          draft_address=drafter.address, timeout_s=60.0, grpc_streams=False)  # fmt: skip
+    with SpecSplitGenerator(config=cfg) as gen:
+        out = run(gen, ids, mask, SAMPLING[sampling], seed=5)
+        assert gen.transport._verify_stream is None and gen.transport._draft_stream is None
+    assert torch.equal(out.sequences, ref.sequences)
+    assert round_stats(out) == round_stats(ref)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("tree", ["chain4", "static16"])
 def test_overlapped_grpc_equals_sequential_local(workers, engines, tree: str, sampling: str) -> None:
     """The overlapped pipeline over gRPC (speculative draft beside the remote verification)."""
@@ -369,15 +384,18 @@ def test_malformed_requests_get_status_codes_and_change_nothing(workers, engines
     cases = [("verify", k) for k in VERIFY_KINDS] + [("draft", k) for k in DRAFT_KINDS]
     plan = cases * 2 + [rng.choice(cases) for _ in range(1000 - 2 * len(cases))]
     plan += [("verify", "huge"), ("draft", "huge")]
-    for service, kind in plan:
+    for i, (service, kind) in enumerate(plan):
         if service == "verify":
             req, want = _verify_case(rng, kind, "live", v.prefix_length)
-            call = t_stub.VerifyDrafts
+            call, stream = t_stub.VerifyDrafts, t_stub.VerifyDraftsStream
         else:
             req, want = _draft_case(rng, kind, "live", d.prefix_length)
-            call = d_stub.GenerateDrafts
+            call, stream = d_stub.GenerateDrafts, d_stub.GenerateDraftsStream
         with pytest.raises(grpc.RpcError) as ei:
-            call(req, timeout=30)
+            if i % 4 == 0:  # every 4th over the stream: the same check, the same status code
+                next(stream(iter([req]), timeout=30))
+            else:
+                call(req, timeout=30)
         assert ei.value.code() == want, f"{service}/{kind}: {ei.value.code()} {ei.value.details()}"
         counts[f"{service}/{kind}"] = counts.get(f"{service}/{kind}", 0) + 1
     assert sum(counts.values()) >= 1000

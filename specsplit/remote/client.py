@@ -118,8 +118,8 @@ class _Stream:
     cancels the stream past it, or closes it after ``_STREAM_IDLE_S`` unused.
     """
 
-    def __init__(self, peer: _Peer, method: str, unary: str):
-        self.peer, self.method, self.unary = peer, method, unary
+    def __init__(self, peer: _Peer, method: str):
+        self.peer, self.method = peer, method
         self.lock = threading.Lock()
         self.call: Any = None
         self.requests: queue.SimpleQueue[Any] | None = None
@@ -219,13 +219,9 @@ class GrpcTransport:
         self._lock = threading.Lock()
         self._draft_down_since: float | None = None
         self._closed = False
-        self._draft_stream = (
-            _Stream(self._draft, "GenerateDraftsStream", "GenerateDrafts")
-            if streams and self._draft
-            else None
-        )
+        self._draft_stream = _Stream(self._draft, "GenerateDraftsStream") if streams and self._draft else None
         self._verify_stream = (
-            _Stream(self._target, "VerifyDraftsStream", "VerifyDrafts") if streams and self._target else None
+            _Stream(self._target, "VerifyDraftsStream") if streams and self._target else None
         )
         self._watchdog: threading.Thread | None = None
         self._stop_watch = threading.Event()
@@ -275,7 +271,7 @@ class GrpcTransport:
             raise TransportError("no draft worker configured (draft_address is None)")
         msg = _encode(convert.draft_request_to_proto, request)
         try:
-            resp = self._call_or_stream(self._draft, self._draft_stream, msg, retry=False)
+            resp = self._call_or_stream(self._draft, "GenerateDrafts", self._draft_stream, msg, retry=False)
         except TransportError as e:
             self._mark_draft_down(e)
             raise
@@ -283,7 +279,7 @@ class GrpcTransport:
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         msg = _encode(convert.verify_request_to_proto, request)
-        resp = self._call_or_stream(self._target_peer(), self._verify_stream, msg, retry=True)
+        resp = self._call_or_stream(self._target_peer(), "VerifyDrafts", self._verify_stream, msg, retry=True)
         return convert.verify_result_from_proto(resp)
 
     def generate_on_target(self, request: GenerateRequest) -> GenerateStream:
@@ -384,8 +380,10 @@ class GrpcTransport:
                 self.draft_retry_interval_s,
             )
 
-    def _call_or_stream(self, peer: _Peer, stream: _Stream | None, msg: Any, *, retry: bool) -> Any:
-        """One ``GenerateDrafts`` / ``VerifyDrafts``: over the stream where it can, else unary.
+    def _call_or_stream(
+        self, peer: _Peer, method: str, stream: _Stream | None, msg: Any, *, retry: bool
+    ) -> Any:
+        """One unary ``method`` call (``GenerateDrafts`` / ``VerifyDrafts``), over ``stream`` where it can.
 
         The unary call is made when streams are off, refused or unknown to the worker, when another
         thread is using the stream, when the worker ended it unanswered, and (only with ``retry``)
@@ -395,9 +393,7 @@ class GrpcTransport:
             raise TransportError("GrpcTransport is closed")
         deadline = time.monotonic() + self.timeout_s
         if stream is None or time.monotonic() < stream.retry_at or not stream.lock.acquire(blocking=False):
-            return self._call(
-                peer, stream.unary if stream else _UNARY[peer.role], msg, timeout=self.timeout_s, retry=retry
-            )
+            return self._call(peer, method, msg, timeout=self.timeout_s, retry=retry)
         try:
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch_streams, name="specsplit-stream-watchdog",
@@ -421,19 +417,17 @@ class GrpcTransport:
                             peer.address, _details(e), _STREAM_REFUSED_S)  # fmt: skip
             elif stream.timed_out:
                 raise TransportError(
-                    f"{peer.role} worker at {peer.address}: {stream.unary} failed: DEADLINE_EXCEEDED: no reply "
+                    f"{peer.role} worker at {peer.address}: {method} failed: DEADLINE_EXCEEDED: no reply "
                     f"within {self.timeout_s:g}s (timeout_s); stream cancelled"
                 ) from None
             elif not (retry and code == grpc.StatusCode.UNAVAILABLE):
-                raise _to_error(peer, stream.unary, e) from None
+                raise _to_error(peer, method, e) from None
         finally:
             stream.lock.release()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TransportError(
-                f"{peer.role} worker at {peer.address}: {stream.unary} failed: DEADLINE_EXCEEDED"
-            )
-        return self._call(peer, stream.unary, msg, timeout=remaining, retry=retry)
+            raise TransportError(f"{peer.role} worker at {peer.address}: {method} failed: DEADLINE_EXCEEDED")
+        return self._call(peer, method, msg, timeout=remaining, retry=retry)
 
     def _watch_streams(self) -> None:
         """Cancel streams whose reply is overdue; close streams unused for ``_STREAM_IDLE_S``."""
@@ -535,9 +529,6 @@ class GenerateStream:
         """Stop the generation (idempotent)."""
         self._done.set()
         self._call.cancel()
-
-
-_UNARY = {"draft": "GenerateDrafts", "target": "VerifyDrafts"}
 
 
 def _encode(fn: Any, request: Any) -> Any:
