@@ -318,6 +318,15 @@ def _run_prompts(gen: Any, prompts: list[Any], max_new: int) -> tuple[list[dict[
     return rows, t_begin, _now()
 
 
+def _local_result(result: dict[str, Any], rec: _Recorder, rows: list[dict[str, Any]]) -> None:
+    """The in-process run's rows and per-prompt split into ``result``."""
+    spans = _spans_by_name({"spans": rec.spans}, rows[0]["start_ns"], rows[-1]["end_ns"])
+    inner = {"draft ingest": spans["l.feed"], "draft tree growth": spans["l.grow"]}
+    result["local_prompts"] = per_prompt(rows, spans["l.draft"], spans["l.verify"], inner)
+    result["local"] = rows
+    result["local_ms_per_round"] = 1e3 * sum(r["wall_s"] for r in rows) / sum(r["rounds"] for r in rows)
+
+
 def _spans_by_name(trace: dict[str, Any], lo: int, hi: int) -> dict[str, list[tuple[int, int]]]:
     out: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for name, s, e in trace["spans"]:
@@ -475,6 +484,14 @@ def _table(res: dict[str, Any]) -> str:
             "compare the steady rounds below)."
         ),
         "",
+        "Timing order: "
+        + (
+            "interleaved (each prompt locally, then over gRPC; both stay loaded, as the bench alternates "
+            "its decoders)."
+            if res.get("interleave")
+            else "all prompts locally, then all over gRPC."
+        ),
+        "",
         f"Traced steady-state rounds: {a['rounds']} (skipped {a['skipped']}: first and last of each prompt).",
         "",
         "| segment | mean ms | median ms |",
@@ -572,9 +589,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the target worker calls the draft worker with unary calls (the A/B of the draft stream)",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time prompt by prompt, local then gRPC (as specsplit bench alternates its decoders): each "
+        "side starts every prompt after the other one ran; both stay loaded (needs both on the device)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.interleave and args.no_local:
+        ap.error("--interleave needs the local run (drop --no-local)")
 
     import tempfile
 
@@ -602,11 +627,13 @@ def main(argv: list[str] | None = None) -> int:
         "tree": args.dynamic_tree,
         "warmup_all": args.warmup_all,
         "draft_calls": "unary" if args.no_draft_stream else "stream",
+        "interleave": args.interleave,
         "experiment_env": " ".join(
             f"{k}={os.environ[k]}"
             for k in (
                 "SPECSPLIT_TRACE_SWITCH_INTERVAL",
                 "SPECSPLIT_TRACE_SPIN_S",
+                "SPECSPLIT_SDPA_CUDNN",
             )
             if k in os.environ
         )
@@ -629,16 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         local_rec.wrap(DraftEngine, "_feed", "l.feed")
         local_rec.wrap(DraftEngine, "_grow", "l.grow")
         _run_prompts(gen, warm, args.max_new_tokens)
-        rows, _, _ = _run_prompts(gen, prompts, args.max_new_tokens)
-        spans = _spans_by_name({"spans": local_rec.spans}, rows[0]["start_ns"], rows[-1]["end_ns"])
-        inner = {"draft ingest": spans["l.feed"], "draft tree growth": spans["l.grow"]}
-        result["local_prompts"] = per_prompt(rows, spans["l.draft"], spans["l.verify"], inner)
-        result["local"] = rows
-        result["local_ms_per_round"] = 1e3 * sum(r["wall_s"] for r in rows) / sum(r["rounds"] for r in rows)
-        gen.close()
-        del gen
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if not args.interleave:
+            local_rows, _, _ = _run_prompts(gen, prompts, args.max_new_tokens)
+            _local_result(result, local_rec, local_rows)
+            gen.close()
+            del gen
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     worker = _worker_class()
     tmp = Path(tempfile.mkdtemp(prefix="specsplit-trace-"))
     serve = ["--cuda-graphs"] if graphs else []
@@ -650,9 +674,18 @@ def main(argv: list[str] | None = None) -> int:
         t.start()
         cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=t.address,
                               draft_address=d.address, tree=tree, timeout_s=600.0)  # fmt: skip
-        with SpecSplitGenerator(None, None, tokenizer=tok, config=cfg) as gen:
-            _run_prompts(gen, warm, args.max_new_tokens)
-            rows, lo, hi = _run_prompts(gen, prompts, args.max_new_tokens)
+        with SpecSplitGenerator(None, None, tokenizer=tok, config=cfg) as rgen:
+            _run_prompts(rgen, warm, args.max_new_tokens)
+            if args.interleave:  # one prompt on each side in turn, as the bench alternates decoders
+                lo, local_rows, rows = _now(), [], []
+                for p in prompts:
+                    local_rows += _run_prompts(gen, [p], args.max_new_tokens)[0]
+                    rows += _run_prompts(rgen, [p], args.max_new_tokens)[0]
+                hi = _now()
+                _local_result(result, local_rec, local_rows)
+                gen.close()
+            else:
+                rows, lo, hi = _run_prompts(rgen, prompts, args.max_new_tokens)
     finally:
         t.stop()
         d.stop()

@@ -22,12 +22,23 @@ switched to it behaves exactly as under ``"sdpa"`` elsewhere (e.g. in HF ``gener
   (``attention_kernel="math"`` of the engine configs). Under CUDA graphs at short prefixes this is
   fewer kernels a layer than transformers' SDPA path, which copies K/V to every query head
   (``repeat_kv``) and, through cuDNN, adds a memset and a launch gap before each attention kernel;
-- :data:`RECORDER_KWARG` ``=recorder``: hand the post-RoPE queries to ``recorder.record`` (SpecPV).
+- :data:`RECORDER_KWARG` ``=recorder``: hand the post-RoPE queries to ``recorder.record`` (SpecPV);
+- :data:`ENGINE_KWARG` ``=True`` (every forward of a SpecSplit engine): on CUDA, masked attention that
+  goes to SDPA runs PyTorch's memory-efficient kernel, called by name, never cuDNN's.
+
+Why not cuDNN: on Hopper (and B200) PyTorch ranks cuDNN attention first for bf16. cuDNN builds an
+execution plan per problem shape, the sequence lengths included, and PyTorch caches those plans per
+*thread*. A prefill over a prompt of a new length, or one run on another thread than the last prompt
+of that length (a gRPC worker serves each call on whichever pool thread is free), builds a plan
+first: tens of milliseconds of host time per forward, paid by every new prompt. The memory-efficient
+kernel has no per-shape plan. Set ``SPECSPLIT_SDPA_CUDNN=1`` to leave the choice to PyTorch (an A/B
+switch, read per call: :data:`AVOID_CUDNN`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Literal
 
 import torch
@@ -37,6 +48,8 @@ logger = logging.getLogger(__name__)
 ATTENTION_NAME = "specsplit"  # the name registered with transformers' AttentionInterface
 FOLD_KWARG = "specsplit_fold_gqa"  # model-forward kwarg: fold GQA into the query rows
 RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg: a SpecPV QueryRecorder
+ENGINE_KWARG = "specsplit_engine"  # model-forward kwarg: a SpecSplit engine's forward (see above)
+AVOID_CUDNN = os.environ.get("SPECSPLIT_SDPA_CUDNN", "0") != "1"  # engine forwards' SDPA skips cuDNN
 FOLD_MAX_ROWS = 64  # tree forwards; a long prefill keeps SDPA (its folded mask would be huge)
 # Below this many cached tokens transformers' path is as fast or faster: H200 steps at 512 tokens, q=1,
 # cost 3% more folded as CUDA graphs and 7% more compiled (even at q=17); at 4,096 tokens the fold is
@@ -86,8 +99,43 @@ def folded_attention(
         out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
     else:  # SDPA wants one mask row per query row: repeat it over the group
         mf = mask.expand(b, 1, n, kv).repeat(1, 1, group, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scale)
+        out = masked_sdpa(qf, key, value, mf, scale)
     return out.reshape(b, h, n, d).transpose(1, 2).contiguous()
+
+
+def masked_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """SDPA of `[b, h, q, d]` queries over `[b, h, kv, d]` keys/values under an additive float mask
+    (broadcastable to `[b, h, q, kv]`); `[b, h, q, d]` out.
+
+    On CUDA with :data:`AVOID_CUDNN` this is the memory-efficient kernel, called by name (see the
+    module docstring), with the mask's rows :data:`~specsplit.tree_attention.MASK_ALIGN` apart
+    (a copy only when they are not); elsewhere ``scaled_dot_product_attention``.
+    """
+    if not _efficient_kernel(query):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale
+        )
+    from specsplit.tree_attention import MASK_ALIGN
+
+    b, h, q, _ = query.shape
+    kv = key.shape[2]
+    if mask.stride(-2) % MASK_ALIGN or mask.stride(-1) != 1:
+        wide = -(-kv // MASK_ALIGN) * MASK_ALIGN
+        aligned = mask.new_empty((*mask.shape[:-1], wide))[..., :kv]
+        mask = aligned.copy_(mask)
+    bias = mask.expand(b, h, q, kv)
+    return _efficient_op(query, key, value, bias, False, scale=scale)[0]
+
+
+def _efficient_kernel(query: torch.Tensor) -> bool:
+    """Whether an engine's masked SDPA of ``query`` runs the memory-efficient kernel by name."""
+    return AVOID_CUDNN and query.is_cuda
+
+
+# PyTorch's memory-efficient attention (CUDA): (q, k, v, bias, compute_log_sumexp, ...) -> (out, ...)
+_efficient_op = torch.ops.aten._scaled_dot_product_efficient_attention
 
 
 def _foldable(
@@ -119,15 +167,29 @@ def specsplit_attention(
 
     recorder = kwargs.pop(RECORDER_KWARG, None)
     fold = kwargs.pop(FOLD_KWARG, False)
+    engine = kwargs.pop(ENGINE_KWARG, False)
     layer_idx = getattr(module, "layer_idx", None)
     if recorder is not None and layer_idx is not None:  # missing queries -> full verification later
         recorder.record(int(layer_idx), query)
     math = fold == "math"
-    if fold and kwargs.get("dropout", 0.0) == 0.0 and _foldable(query, key, attention_mask, any_length=math):
+    plain = kwargs.get("dropout", 0.0) == 0.0
+    if fold and plain and _foldable(query, key, attention_mask, any_length=math):
         assert attention_mask is not None
         kernel: Literal["auto", "math"] = "math" if math else "auto"
         return folded_attention(query, key, value, attention_mask, kwargs.get("scaling"), kernel), None
+    if engine and plain and _efficient_kernel(query) and _is_additive(attention_mask):
+        assert attention_mask is not None
+        attention_mask = attention_mask[..., : key.shape[2]]
+        group = query.shape[1] // key.shape[1]
+        if group > 1:  # one K/V head per query head, as transformers' SDPA path does with a mask
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        out = masked_sdpa(query, key, value, attention_mask, kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _is_additive(mask: torch.Tensor | None) -> bool:
+    return mask is not None and mask.dim() == 4 and mask.is_floating_point()
 
 
 _registered = False

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specsplit.attention import FOLD_KWARG, gqa_group
+from specsplit.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.attention import install as install_attention
 from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
 from specsplit.kv_cache import StaticKVCache
@@ -121,10 +121,13 @@ class ModelRunner:
         self.input_device = model.get_input_embeddings().weight.device
         self.output_device = model.get_output_embeddings().weight.device
         math = self._attention_kernel == "math"
-        if (math or (self._fold_gqa and gqa_group(model) > 1)) and install_attention(
-            model, allow_from=("sdpa",)
-        ):
-            self.attention_kwargs = {FOLD_KWARG: "math" if math else True}
+        fold: bool | str = "math" if math else (self._fold_gqa and gqa_group(model) > 1)
+        # On CUDA the attention function also keeps the engines' masked SDPA off cuDNN (a plan build
+        # per new prompt length and thread: specsplit.attention); elsewhere a model that neither
+        # folds nor uses the math kernel keeps its own attention.
+        cuda = self.input_device.type == "cuda" and AVOID_CUDNN
+        if (fold or cuda) and install_attention(model, allow_from=("sdpa",)):
+            self.attention_kwargs = {ENGINE_KWARG: True, FOLD_KWARG: fold}
         if self._fuse:
             from specsplit.fused import fuse_projections
 

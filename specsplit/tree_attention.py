@@ -74,9 +74,19 @@ def build_tree_attention(
     return bool_mask_to_float(allowed[None, None], dtype), pos[None].long()
 
 
+MASK_ALIGN = 16  # elements: the row stride the fused attention kernels take a bias at without a copy
+
+
 def bool_mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """True/False (attend/blocked) -> 0 / ``finfo(dtype).min`` additive mask of the same shape."""
-    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    """True/False (attend/blocked) -> 0 / ``finfo(dtype).min`` additive mask of the same shape.
+
+    The rows are laid out :data:`MASK_ALIGN` elements apart (a view into a slightly wider buffer),
+    so the memory-efficient attention kernel reads the mask in place instead of every layer padding
+    a copy of it.
+    """
+    kv = mask.shape[-1]
+    wide = -(-kv // MASK_ALIGN) * MASK_ALIGN
+    out = torch.zeros((*mask.shape[:-1], wide), dtype=dtype, device=mask.device)[..., :kv]
     return out.masked_fill_(~mask.bool(), torch.finfo(dtype).min)
 
 

@@ -149,7 +149,8 @@ def test_only_gqa_models_on_sdpa_are_switched():
     assert eager.config._attn_implementation == "eager"
     gqa = tiny_llama(2)
     assert ModelRunner(gqa, None, "cpu", None, "float32", fold_gqa=True).attention_kwargs == {
-        attn.FOLD_KWARG: True
+        attn.ENGINE_KWARG: True,
+        attn.FOLD_KWARG: True,
     }
 
 
@@ -178,7 +179,7 @@ def test_math_kernel_also_folds_models_without_gqa():
     mha = tiny_llama(0)
     mha.config.num_key_value_heads = mha.config.num_attention_heads
     runner = ModelRunner(mha, None, "cpu", None, "float32", fold_gqa=True, attention_kernel="math")
-    assert runner.attention_kwargs == {attn.FOLD_KWARG: "math"}
+    assert runner.attention_kwargs == {attn.ENGINE_KWARG: True, attn.FOLD_KWARG: "math"}
 
 
 def test_attention_kernel_auto_is_math_on_the_static_path_only():
@@ -190,13 +191,15 @@ def test_attention_kernel_auto_is_math_on_the_static_path_only():
     gqa = tiny_llama(3)
     from specsplit.draft import DraftEngine
 
+    engine = {attn.ENGINE_KWARG: True}
     assert DraftEngine(gqa, DraftConfig(cuda_graphs=True)).runner.attention_kwargs == {
-        attn.FOLD_KWARG: "math"
+        **engine,
+        attn.FOLD_KWARG: "math",
     }
-    assert DraftEngine(gqa, DraftConfig()).runner.attention_kwargs == {attn.FOLD_KWARG: True}
+    assert DraftEngine(gqa, DraftConfig()).runner.attention_kwargs == {**engine, attn.FOLD_KWARG: True}
     assert DraftEngine(
         gqa, DraftConfig(attention_kernel="sdpa", cuda_graphs=True)
-    ).runner.attention_kwargs == {attn.FOLD_KWARG: True}
+    ).runner.attention_kwargs == {**engine, attn.FOLD_KWARG: True}
 
 
 def test_attention_kernel_is_checked():
@@ -206,3 +209,47 @@ def test_attention_kernel_is_checked():
         TargetConfig(attention_kernel="flash")
     with pytest.raises(ConfigError, match="attention_kernel"):
         DraftConfig(attention_kernel="")
+
+
+def test_float_masks_have_aligned_rows():
+    from specsplit.tree_attention import MASK_ALIGN, bool_mask_to_float
+
+    allowed = torch.rand(1, 1, 7, 37, generator=torch.Generator().manual_seed(0)) > 0.5
+    mask = bool_mask_to_float(allowed, torch.float32)
+    assert mask.shape == (1, 1, 7, 37) and mask.stride(-2) % MASK_ALIGN == 0 and mask.stride(-1) == 1
+    assert torch.equal(mask == 0, allowed) and torch.all(mask[~allowed] == torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_sdpa_route_off_cudnn_matches_hf_generate(monkeypatch, graphs):
+    """The CUDA route of engine forwards (PyTorch's memory-efficient kernel called by name, one K/V
+    head per query head, mask rows MASK_ALIGN apart) run on CPU with SDPA standing in for the CUDA
+    kernel: every masked forward that does not fold takes it, and the tokens equal HF generate()."""
+    from specsplit.tree_attention import MASK_ALIGN
+
+    target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
+    ids = torch.randint(3, 200, (1, 21), generator=torch.Generator().manual_seed(4))
+    want = target.generate(ids, max_new_tokens=24, do_sample=False)
+    rows: list[int] = []
+
+    def kernel(q, k, v, bias, compute_log_sumexp, scale=None):
+        assert q.shape[1] == k.shape[1] == v.shape[1] == bias.shape[1]  # K/V repeated per query head
+        assert bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        assert bias.stride(-2) % MASK_ALIGN == 0 and bias.stride(-1) == 1 and not compute_log_sumexp
+        rows.append(q.shape[2])
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        return out, None, None, None
+
+    monkeypatch.setattr(attn, "_efficient_kernel", lambda q: True)
+    monkeypatch.setattr(attn, "_efficient_op", kernel)
+    tree = TreeConfig(shape="dynamic", topk=3, width=3, budget=10, max_depth=4)
+    cfg = SpecSplitConfig(
+        tree=tree,
+        target=TargetConfig(attention_kernel="sdpa", cuda_graphs=graphs),
+        draft=DraftConfig(attention_kernel="sdpa", cuda_graphs=graphs),
+    )
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        assert torch.equal(gen.generate(ids, max_new_tokens=24, do_sample=False), want)
+    assert 21 in rows  # the draft's prefill of the prompt,
+    assert max(rows) > 21  # the target's first forward (the prompt and the first tree),
+    assert any(r < 21 for r in rows)  # and the later tree forwards all took the route

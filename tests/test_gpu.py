@@ -237,3 +237,38 @@ def test_grpc_workers_cuda_graphs_exact(llama_target, llama_draft_random, shape,
     rounds = list(t_engine._rounds.values())
     assert rounds and all(r.graph is not None for r in rounds)
     assert any(r._stage is not None for r in rounds)  # the host trees went through the packed copy
+
+
+def test_engine_masked_attention_is_memory_efficient_not_cudnn(llama_target):
+    """The engines' masked SDPA (a prefill with the first tree) runs PyTorch's memory-efficient kernel
+    by name, never cuDNN's (a plan build per new prompt length and thread), and equals SDPA math."""
+    import copy
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from specsplit import attention as attn
+    from specsplit.target import TargetEngine
+    from specsplit.transport import VerifyRequest
+    from specsplit.tree import TokenTree
+    from specsplit.tree_attention import build_verify_attention
+
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    q = torch.randn(1, 4, 45, 16, device="cuda:0", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 2, 45 + 30, 16, device="cuda:0", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    mask, _ = build_verify_attention(torch.arange(-1, 44, device="cuda:0"), 30, 0, torch.bfloat16)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    got = attn.masked_sdpa(q, kr, vr, mask, None)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+    model = copy.deepcopy(llama_target).to("cuda:0", torch.bfloat16)
+    eng = TargetEngine(model, TargetConfig(device="cuda:0", dtype="bfloat16"))
+    prompt = [int(t) for t in torch.randint(3, 200, (37,), generator=torch.Generator().manual_seed(1))]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.verify(VerifyRequest("s", TokenTree.empty(), prompt, 0))
+    names = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_efficient_attention" in names
+    assert "aten::_scaled_dot_product_cudnn_attention" not in names

@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""What a prompt's first round costs: the draft's prefill + first tree, the target's prefill + first
+verification, by attention route and by thread.
+
+Those two calls run the only eager forwards of a round whose query rows exceed the folded kernel's
+limit, so their attention goes to SDPA. On Hopper PyTorch ranks cuDNN first for bf16 there; cuDNN
+builds an execution plan per problem shape and PyTorch keeps the plans per thread. This script
+times each call (a device sync after it) on real bench prompts, each case on lengths no earlier
+call of that route has seen in this process:
+
+* ``new length``: the prompt's length is new to the process;
+* ``same length, same thread``: the same prompt again right after (a fresh session, same thread);
+* ``same length, new thread``: the same prompt again on a fresh thread (a gRPC worker serves each
+  call on whichever pool thread is free).
+
+Routes: ``cudnn-allowed`` (``specsplit.attention.AVOID_CUDNN = False``: the choice is PyTorch's) and
+``memory-efficient`` (the engines' default on CUDA). ``--profile`` adds a torch-profiler table of one
+``new length`` verification per route (top host ops).
+
+    python benchmarks/prefill_cost.py --draft qwen2.5-coder-0.5b --target qwen2.5-coder-1.5b \\
+        --device cuda:0 --tag h200 --profile      # -> benchmarks/results/prefill_cost-h200.{json,md,png}
+    python benchmarks/prefill_cost.py --rerender benchmarks/results/prefill_cost-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ROUTES = ("cudnn-allowed", "memory-efficient")
+CASES = ("new length", "same length, same thread", "same length, new thread")
+
+
+def _first_round(draft: Any, target: Any, prompt: list[int], tree: Any, sync: Any) -> tuple[float, float]:
+    """One prompt's first round on fresh sessions: (draft call ms, verify call ms)."""
+    from specsplit.transport import DraftRequest, VerifyRequest
+
+    sid = uuid.uuid4().hex
+    cap = len(prompt) + 160
+    try:
+        t0 = time.perf_counter()
+        res = draft.generate(DraftRequest(sid, prompt, 0, tree, capacity_hint=cap))
+        sync()
+        t1 = time.perf_counter()
+        target.verify(VerifyRequest(sid, res.tree, prompt, 0, capacity_hint=cap))
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        draft.end_session(sid)
+        target.end_session(sid)
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+def _on_new_thread(fn: Any, *args: Any) -> Any:
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(fn(*args)))
+    th.start()
+    th.join()
+    return out[0]
+
+
+def _profile(draft: Any, target: Any, prompt: list[int], tree: Any, sync: Any) -> str:
+    """Key averages of one first round (host time), top rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _first_round(draft, target, prompt, tree, sync)
+    return str(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from specsplit import attention
+    from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
+    from specsplit.config import DraftConfig, TargetConfig, TreeConfig
+    from specsplit.draft import DraftEngine
+    from specsplit.models import load_tokenizer
+    from specsplit.target import TargetEngine
+
+    topk, width, budget, depth = (int(x) for x in args.dynamic_tree.split(","))
+    tree = TreeConfig(shape="dynamic", topk=topk, width=width, budget=budget, max_depth=depth)
+    graphs = args.device.startswith("cuda")
+    draft = DraftEngine(config=DraftConfig(model=args.draft, device=args.device, dtype=args.dtype,
+                                           cuda_graphs=graphs))  # fmt: skip
+    target = TargetEngine(config=TargetConfig(model=args.target, device=args.device, dtype=args.dtype,
+                                              cuda_graphs=graphs))  # fmt: skip
+    draft.load_model()
+    target.load_model()
+
+    def sync() -> None:
+        if graphs:
+            torch.cuda.synchronize(args.device)
+
+    tok = load_tokenizer(args.target)
+    prompts = load_prompts(DEFAULT_PROMPTS, args.prompts_per_category)
+    tokenize_prompts(prompts, tok)
+    by_len: dict[int, list[int]] = {}
+    for p in prompts:
+        by_len.setdefault(len(p.input_ids), p.input_ids)
+    pool = [by_len[k] for k in sorted(by_len)]
+    warm, rest = pool[0], pool[1:]
+    half = len(rest) // 2  # each route gets lengths of its own: none seen before by that route
+    sets = {ROUTES[0]: rest[0::2][: half or None], ROUTES[1]: rest[1::2][: half or None]}
+    for route in ROUTES:  # kernels, graphs of the fixed-shape steps, libraries: loaded once, outside
+        attention.AVOID_CUDNN = route == "memory-efficient"
+        _first_round(draft, target, warm, tree, sync)
+    result: dict[str, Any] = {"times_ms": {}, "lengths": {}, "profiles": {}}
+    used: set[int] = set()
+    for route in ROUTES:
+        attention.AVOID_CUDNN = route == "memory-efficient"
+        rows: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for p in sets[route]:
+            rows[CASES[0]].append(_first_round(draft, target, p, tree, sync))
+            rows[CASES[1]].append(_first_round(draft, target, p, tree, sync))
+            rows[CASES[2]].append(_on_new_thread(_first_round, draft, target, p, tree, sync))
+        result["times_ms"][route] = {c: [list(x) for x in v] for c, v in rows.items()}
+        result["lengths"][route] = [len(p) for p in sets[route]]
+        if args.profile:  # one more length, new to the process: what its first round spends host time on
+            cut = pool[-1][:-1]
+            while len(cut) in by_len or len(cut) in used:
+                cut = cut[:-1]
+            used.add(len(cut))
+            result["profiles"][route] = _profile(draft, target, cut, tree, sync)
+    attention.AVOID_CUDNN = True
+    draft.shutdown()
+    target.shutdown()
+    return result
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = [
+        f"# A prompt's first round by attention route ({res['device']}, {res['tag'] or 'untagged'})",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"torch {res['torch']}; prompt lengths per route: "
+        + "; ".join(f"{r}: {res['lengths'][r]}" for r in ROUTES if r in res["lengths"]),
+        "",
+        "Median ms per call (a device sync after each); the draft call is its prefill of the prompt and "
+        "the first tree, the verify call the target's prefill of the prompt with that tree.",
+        "",
+        "| route | case | draft call | verify call | both |",
+        "|---|---|---|---|---|",
+    ]
+    for route in ROUTES:
+        for case, v in res["times_ms"].get(route, {}).items():
+            d = statistics.median(x[0] for x in v)
+            t = statistics.median(x[1] for x in v)
+            both = statistics.median(x[0] + x[1] for x in v)
+            lines.append(f"| {route} | {case} | {d:.2f} | {t:.2f} | {both:.2f} |")
+    for route, table in res.get("profiles", {}).items():
+        lines += ["", f"Host time of one first round at a new length, {route} (torch profiler):", "", "```",
+                  table.rstrip(), "```"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(res: dict[str, Any], path: Path) -> bool:
+    from specsplit.bench_report import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    labels, draft_ms, verify_ms = [], [], []
+    for route in ROUTES:
+        for case, v in res["times_ms"].get(route, {}).items():
+            labels.append(f"{route}\n{case}")
+            draft_ms.append(statistics.median(x[0] for x in v))
+            verify_ms.append(statistics.median(x[1] for x in v))
+    ys = range(len(labels))
+    ax.barh(ys, draft_ms, label="draft call (prefill + first tree)")
+    ax.barh(ys, verify_ms, left=draft_ms, label="verify call (prefill + first verification)")
+    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (median)")
+    ax.set_title(f"A prompt's first round by attention route: {res['device']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _write(result: dict[str, Any], out: Path, name: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    md = _table(result)
+    (out / f"{name}.md").write_text(md)
+    write_plot(result, out / f"{name}.png")
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rerender"]:
+        path = Path(argv[1])
+        _write(json.loads(path.read_text()), path.parent, path.stem)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", required=True, help="draft model directory or alias")
+    ap.add_argument("--target", required=True, help="target model directory or alias")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompts-per-category", type=int, default=4)
+    ap.add_argument("--dynamic-tree", default="4,4,24,5", help="TOPK,WIDTH,BUDGET,DEPTH")
+    ap.add_argument("--profile", action="store_true", help="add a profiler table per route")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    import torch
+
+    result = run(args)
+    result.update(
+        command="python benchmarks/prefill_cost.py " + " ".join(argv),
+        tag=args.tag,
+        device=torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda")
+        else platform.processor(),
+        torch=torch.__version__,
+    )
+    print(_write(result, args.out, "prefill_cost" + (f"-{args.tag}" if args.tag else "")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
