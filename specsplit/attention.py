@@ -126,12 +126,23 @@ def masked_sdpa(
         aligned = mask.new_empty((*mask.shape[:-1], wide))[..., :kv]
         mask = aligned.copy_(mask)
     bias = mask.expand(b, h, q, kv)
-    return _efficient_op(query, key, value, bias, False, scale=scale)[0]
+    try:
+        return _efficient_op(query, key, value, bias, False, scale=scale)[0]
+    except RuntimeError as e:  # an argument the kernel does not take (checked before any launch)
+        _UNSUPPORTED.add((query.shape[-1], query.dtype))
+        logger.warning("memory-efficient attention refused head_dim %d / %s (%s); using SDPA's own choice",
+                       query.shape[-1], query.dtype, e)  # fmt: skip
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale
+        )
+
+
+_UNSUPPORTED: set[tuple[int, torch.dtype]] = set()  # (head_dim, dtype) the kernel refused once
 
 
 def _efficient_kernel(query: torch.Tensor) -> bool:
     """Whether an engine's masked SDPA of ``query`` runs the memory-efficient kernel by name."""
-    return AVOID_CUDNN and query.is_cuda
+    return AVOID_CUDNN and query.is_cuda and (query.shape[-1], query.dtype) not in _UNSUPPORTED
 
 
 # PyTorch's memory-efficient attention (CUDA): (q, k, v, bias, compute_log_sumexp, ...) -> (out, ...)

@@ -253,3 +253,33 @@ def test_engine_sdpa_route_off_cudnn_matches_hf_generate(monkeypatch, graphs):
     assert 21 in rows  # the draft's prefill of the prompt,
     assert max(rows) > 21  # the target's first forward (the prompt and the first tree),
     assert any(r < 21 for r in rows)  # and the later tree forwards all took the route
+
+
+def test_engine_sdpa_route_falls_back_when_the_kernel_refuses(monkeypatch, caplog):
+    """A head size or dtype the memory-efficient kernel refuses (an argument check, before any
+    launch) falls back to SDPA's own choice, is remembered, and the tokens stay HF's."""
+    target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(6))
+    want = target.generate(ids, max_new_tokens=12, do_sample=False)
+    calls: list[int] = []
+
+    def refuse(q, k, v, bias, compute_log_sumexp, scale=None):
+        calls.append(q.shape[-1])
+        raise RuntimeError("head_dim not supported (test)")
+
+    monkeypatch.setattr(attn, "AVOID_CUDNN", True)
+    monkeypatch.setattr(attn, "_UNSUPPORTED", set())
+    # the real check without its is_cuda part (this runs on CPU)
+    monkeypatch.setattr(attn, "_efficient_kernel", lambda q: (q.shape[-1], q.dtype) not in attn._UNSUPPORTED)
+    monkeypatch.setattr(attn, "_efficient_op", refuse)
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape="chain", num_draft_tokens=3),
+        target=TargetConfig(attention_kernel="sdpa"),
+        draft=DraftConfig(attention_kernel="sdpa"),
+    )
+    with caplog.at_level("WARNING", logger="specsplit.attention"):
+        with SpecSplitGenerator(target, draft, config=cfg) as gen:
+            assert torch.equal(gen.generate(ids, max_new_tokens=12, do_sample=False), want)
+    assert calls == [16]  # refused once, then remembered: no further attempt
+    assert attn._UNSUPPORTED == {(16, torch.float32)}
+    assert "refused head_dim 16" in caplog.text
