@@ -521,7 +521,7 @@ def _table(res: dict[str, Any]) -> str:
 
 def write_plot(res: dict[str, Any], path: Path) -> bool:
     """The median gRPC round as one stacked bar per side, beside the local steady round."""
-    from specsplit.bench_report import pyplot
+    from specsplit.bench_report import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -546,28 +546,17 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
     ax.set_xlabel("milliseconds (medians over steady-state rounds)")
     ax.set_title(f"Where a gRPC round goes: {res['device']} ({res['tag']})")
     ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _write(result: dict[str, Any], out: Path, name: str) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    md = _table(result)
-    (out / f"{name}.md").write_text(md)
-    write_plot(result, out / f"{name}.png")
-    return md
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specsplit.bench_report import rerender, write_result
+
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--hooked"]:
         return _hooked_worker(argv[1], argv[2], argv[4:])
     if argv[:1] == ["--rerender"]:  # the .md and .png again from a result's .json
-        path = Path(argv[1])
-        _write(json.loads(path.read_text()), path.parent, path.stem)
+        rerender(Path(argv[1]), _table, write_plot)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", required=True, help="draft model directory or alias")
@@ -697,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     d_spans = _spans_by_name(traces["draft"], lo, hi)
     inner = {"draft ingest": d_spans["d.feed"], "draft tree growth": d_spans["d.grow"]}
     result["grpc_prompts"] = per_prompt(rows, spans["t.draft"], spans["t.verify"], inner)
-    print(_write(result, args.out, "grpc_round_trace" + (f"-{args.tag}" if args.tag else "")))
+    name = "grpc_round_trace" + (f"-{args.tag}" if args.tag else "")
+    print(write_result(result, args.out, name, _table, write_plot))
     return 0
 
 

@@ -25,7 +25,6 @@ Routes: ``cudnn-allowed`` (``specsplit.attention.AVOID_CUDNN = False``: the choi
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -168,7 +167,7 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def write_plot(res: dict[str, Any], path: Path) -> bool:
-    from specsplit.bench_report import pyplot
+    from specsplit.bench_report import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -188,26 +187,15 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
     ax.set_xlabel("ms (median)")
     ax.set_title(f"A prompt's first round by attention route: {res['device']}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _write(result: dict[str, Any], out: Path, name: str) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    md = _table(result)
-    (out / f"{name}.md").write_text(md)
-    write_plot(result, out / f"{name}.png")
-    return md
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specsplit.bench_report import rerender, write_result
+
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rerender"]:
-        path = Path(argv[1])
-        _write(json.loads(path.read_text()), path.parent, path.stem)
+        rerender(Path(argv[1]), _table, write_plot)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", required=True, help="draft model directory or alias")
@@ -231,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         else platform.processor(),
         torch=torch.__version__,
     )
-    print(_write(result, args.out, "prefill_cost" + (f"-{args.tag}" if args.tag else "")))
+    name = "prefill_cost" + (f"-{args.tag}" if args.tag else "")
+    print(write_result(result, args.out, name, _table, write_plot))
     return 0
 
 

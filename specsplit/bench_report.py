@@ -17,12 +17,13 @@ median and spread of those ratios.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,40 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------------------------- plot
+
+
+def write_result(
+    result: dict[str, Any],
+    out: Path,
+    name: str,
+    table: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], bool],
+) -> str:
+    """A benchmark script's ``<out>/<name>.json``, ``.md`` (``table(result)``) and ``.png``
+    (``plot(result, path)``, skipped without matplotlib); returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    md = table(result)
+    (out / f"{name}.md").write_text(md)
+    plot(result, out / f"{name}.png")
+    return md
+
+
+def rerender(
+    path: Path, table: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], bool]
+) -> str:
+    """:func:`write_result` again from a committed ``.json`` (e.g. after adding a note to it)."""
+    return write_result(json.loads(path.read_text()), path.parent, path.stem, table, plot)
+
+
+def save_figure(fig: Any, path: Path) -> bool:
+    """Lay out, write and close a benchmark figure; True (the caller had matplotlib)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def pyplot() -> Any:

@@ -154,6 +154,15 @@ def test_only_gqa_models_on_sdpa_are_switched():
     }
 
 
+def _kernel_config(tree: TreeConfig, kernel: str, graphs: bool) -> SpecSplitConfig:
+    """Both engines on ``attention_kernel=kernel``, with or without the static (graph) path."""
+    return SpecSplitConfig(
+        tree=tree,
+        target=TargetConfig(attention_kernel=kernel, cuda_graphs=graphs),
+        draft=DraftConfig(attention_kernel=kernel, cuda_graphs=graphs),
+    )
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
 def test_math_kernel_at_every_length_matches_hf_generate(monkeypatch, graphs, shape):
@@ -164,11 +173,7 @@ def test_math_kernel_at_every_length_matches_hf_generate(monkeypatch, graphs, sh
     want = target.generate(ids, max_new_tokens=24, do_sample=False)
     calls = _spy(monkeypatch, fold_all=False)
     tree = TreeConfig(shape=shape, num_draft_tokens=3, topk=3, width=3, budget=10, max_depth=4)
-    cfg = SpecSplitConfig(
-        tree=tree,
-        target=TargetConfig(attention_kernel="math", cuda_graphs=graphs),
-        draft=DraftConfig(attention_kernel="math", cuda_graphs=graphs),
-    )
+    cfg = _kernel_config(tree, "math", graphs)
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         assert torch.equal(gen.generate(ids, max_new_tokens=24, do_sample=False), want)
     assert calls and max(kv for _, kv in calls) < attn.FOLD_MIN_KV  # short prefixes were folded
@@ -242,12 +247,7 @@ def test_engine_sdpa_route_off_cudnn_matches_hf_generate(monkeypatch, graphs):
 
     monkeypatch.setattr(attn, "_efficient_kernel", lambda q: True)
     monkeypatch.setattr(attn, "_efficient_op", kernel)
-    tree = TreeConfig(shape="dynamic", topk=3, width=3, budget=10, max_depth=4)
-    cfg = SpecSplitConfig(
-        tree=tree,
-        target=TargetConfig(attention_kernel="sdpa", cuda_graphs=graphs),
-        draft=DraftConfig(attention_kernel="sdpa", cuda_graphs=graphs),
-    )
+    cfg = _kernel_config(TreeConfig(shape="dynamic", topk=3, width=3, budget=10, max_depth=4), "sdpa", graphs)
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         assert torch.equal(gen.generate(ids, max_new_tokens=24, do_sample=False), want)
     assert 21 in rows  # the draft's prefill of the prompt,
@@ -272,11 +272,7 @@ def test_engine_sdpa_route_falls_back_when_the_kernel_refuses(monkeypatch, caplo
     # the real check without its is_cuda part (this runs on CPU)
     monkeypatch.setattr(attn, "_efficient_kernel", lambda q: (q.shape[-1], q.dtype) not in attn._UNSUPPORTED)
     monkeypatch.setattr(attn, "_efficient_op", refuse)
-    cfg = SpecSplitConfig(
-        tree=TreeConfig(shape="chain", num_draft_tokens=3),
-        target=TargetConfig(attention_kernel="sdpa"),
-        draft=DraftConfig(attention_kernel="sdpa"),
-    )
+    cfg = _kernel_config(TreeConfig(shape="chain", num_draft_tokens=3), "sdpa", False)
     with caplog.at_level("WARNING", logger="specsplit.attention"):
         with SpecSplitGenerator(target, draft, config=cfg) as gen:
             assert torch.equal(gen.generate(ids, max_new_tokens=12, do_sample=False), want)
