@@ -32,7 +32,7 @@ execution plan per problem shape, the sequence lengths included, and PyTorch cac
 of that length (a gRPC worker serves each call on whichever pool thread is free), builds a plan
 first: tens of milliseconds of host time per forward, paid by every new prompt. The memory-efficient
 kernel has no per-shape plan. Set ``SPECSPLIT_SDPA_CUDNN=1`` to leave the choice to PyTorch (an A/B
-switch, read per call: :data:`AVOID_CUDNN`).
+switch, read at import into :data:`AVOID_CUDNN`, which every call checks).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ import os
 from typing import Any, Literal
 
 import torch
+
+from specsplit.tree_attention import MASK_ALIGN, aligned_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +119,10 @@ def masked_sdpa(
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale
         )
-    from specsplit.tree_attention import MASK_ALIGN
-
     b, h, q, _ = query.shape
     kv = key.shape[2]
-    if mask.stride(-2) % MASK_ALIGN or mask.stride(-1) != 1:
-        wide = -(-kv // MASK_ALIGN) * MASK_ALIGN
-        aligned = mask.new_empty((*mask.shape[:-1], wide))[..., :kv]
-        mask = aligned.copy_(mask)
+    if mask.stride(-2) % MASK_ALIGN or mask.stride(-1) != 1:  # masks from bool_mask_to_float never are
+        mask = aligned_zeros(mask.shape, mask.dtype, mask.device).copy_(mask)
     bias = mask.expand(b, h, q, kv)
     try:
         return _efficient_op(query, key, value, bias, False, scale=scale)[0]

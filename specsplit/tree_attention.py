@@ -84,10 +84,18 @@ def bool_mask_to_float(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     so the memory-efficient attention kernel reads the mask in place instead of every layer padding
     a copy of it.
     """
-    kv = mask.shape[-1]
-    wide = -(-kv // MASK_ALIGN) * MASK_ALIGN
-    out = torch.zeros((*mask.shape[:-1], wide), dtype=dtype, device=mask.device)[..., :kv]
+    out = aligned_zeros(mask.shape, dtype, mask.device)
     return out.masked_fill_(~mask.bool(), torch.finfo(dtype).min)
+
+
+def aligned_zeros(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Zeros of ``shape`` whose rows (last dim) start :data:`MASK_ALIGN` elements apart: a view into a
+    buffer with the last dim rounded up."""
+    kv = shape[-1]
+    wide = -(-kv // MASK_ALIGN) * MASK_ALIGN
+    return torch.zeros((*shape[:-1], wide), dtype=dtype, device=device)[..., :kv]
 
 
 def chain_parents(n: int, first_parent: int = -1, device: torch.device | str = "cpu") -> torch.Tensor:

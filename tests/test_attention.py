@@ -279,3 +279,27 @@ def test_engine_sdpa_route_falls_back_when_the_kernel_refuses(monkeypatch, caplo
     assert calls == [16]  # refused once, then remembered: no further attempt
     assert attn._UNSUPPORTED == {(16, torch.float32)}
     assert "refused head_dim 16" in caplog.text
+
+
+def test_masked_sdpa_aligns_a_mask_whose_rows_are_not(monkeypatch):
+    """A mask not made by bool_mask_to_float (rows 37 apart here) reaches the kernel as an aligned
+    copy with the same values; the result equals SDPA's."""
+    from specsplit.tree_attention import MASK_ALIGN
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 5, 8, generator=g)
+    k, v = torch.randn(1, 4, 37, 8, generator=g), torch.randn(1, 4, 37, 8, generator=g)
+    mask = torch.zeros(1, 1, 5, 37)
+    mask[..., 30:] = torch.finfo(torch.float32).min
+    seen = []
+
+    def kernel(q_, k_, v_, bias, compute_log_sumexp, scale=None):
+        seen.append(bias)
+        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, attn_mask=bias, scale=scale), None
+
+    monkeypatch.setattr(attn, "_efficient_kernel", lambda q_: True)
+    monkeypatch.setattr(attn, "_efficient_op", kernel)
+    got = attn.masked_sdpa(q, k, v, mask, None)
+    (bias,) = seen
+    assert bias.stride(-2) % MASK_ALIGN == 0 and torch.equal(bias[0, 0], mask[0, 0])
+    torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
