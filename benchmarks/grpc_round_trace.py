@@ -473,7 +473,14 @@ def _table(res: dict[str, Any]) -> str:
         f"Worker environment of the experiment: {res.get('experiment_env', '(none)')}",
         "",
         f"The target worker's draft calls: {res.get('draft_calls', 'unary')} (runs before the draft stream "
-        "existed made unary calls).",
+        "existed made unary calls); trees "
+        + (
+            "from tree slots (CUDA IPC; the draft call returns before the tree's GPU work ends, so the draft "
+            "segments below hold no GPU wait)"
+            if res.get("tree_slots")
+            else "in the draft worker's replies"
+        )
+        + ".",
         "",
         f"Local (one process): {res.get('local_ms_per_round', float('nan')):.2f} ms a round; gRPC target loop: "
         f"{res['grpc_ms_per_round']:.2f} ms a round (wall / rounds over all prompts; "
@@ -579,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the target worker calls the draft worker with unary calls (the A/B of the draft stream)",
     )
     ap.add_argument(
+        "--no-tree-ipc",
+        action="store_true",
+        help="the target worker takes every tree from the draft worker's reply (the A/B of tree slots; "
+        "with slots the draft call returns before the tree's GPU work ends)",
+    )
+    ap.add_argument(
         "--interleave",
         action="store_true",
         help="time prompt by prompt, local then gRPC (as specsplit bench alternates its decoders): each "
@@ -616,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         "tree": args.dynamic_tree,
         "warmup_all": args.warmup_all,
         "draft_calls": "unary" if args.no_draft_stream else "stream",
+        "tree_slots": not args.no_tree_ipc,
         "interleave": args.interleave,
         "experiment_env": " ".join(
             f"{k}={os.environ[k]}"
@@ -658,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     d = worker(str(tmp / "draft.json"), "draft", args.draft, device=args.device, dtype=args.dtype, args=serve)
     d.start()
     t = worker(str(tmp / "target.json"), "target", args.target, device=args.device, dtype=args.dtype,
-               args=[*serve, "--draft-address", d.address, *(["--no-draft-stream"] if args.no_draft_stream else [])])  # fmt: skip
+               args=[*serve, "--draft-address", d.address, *(["--no-draft-stream"] if args.no_draft_stream else []),
+                     *(["--no-tree-ipc"] if args.no_tree_ipc else [])])  # fmt: skip
     try:
         t.start()
         cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=t.address,

@@ -57,6 +57,9 @@ DECODERS = (
 # (plain CUDA graphs with ``--cuda-graphs``; their workers start in seconds instead of minutes).
 # ``...-unary``: the same with unary calls instead of the long-lived streams (the streams' A/B:
 # ``SpecSplitConfig(grpc_streams=False)``, ``specsplit serve target --no-draft-stream``).
+# ``-targetloop-dynamic-noipc``: the target loop with every tree in the draft worker's reply (the A/B
+# of tree slots, ``specsplit serve target --no-tree-ipc``; with slots on, the default, a co-located
+# target worker reads greedy trees from the draft worker's GPU memory).
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
@@ -71,6 +74,7 @@ OPTIONAL_DECODERS = (
     "specsplit-grpc-targetloop-dynamic",
     "specsplit-grpc-dynamic-unary",
     "specsplit-grpc-targetloop-dynamic-unary",
+    "specsplit-grpc-targetloop-dynamic-noipc",
 )
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
@@ -359,6 +363,7 @@ def _grpc_decoder(
     target_loop: bool = False,
     target_graph_rounds: bool = True,
     streams: bool = True,
+    tree_ipc: bool = True,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
@@ -366,6 +371,7 @@ def _grpc_decoder(
     what = _tree_words(tree)
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
     what += "" if streams else ", unary calls"
+    what += "" if tree_ipc or not target_loop else ", trees in replies (no tree slots)"
     draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
     if overlap:
         what += f", overlapped pipeline (draft worker on {draft_device}, target worker on {m.device})"
@@ -388,6 +394,7 @@ def _grpc_decoder(
             peer = ["--draft-address", workers[0].address] if target_loop else []
             peer += ["--graph-rounds" if target_graph_rounds else "--no-graph-rounds"]
             peer += [] if streams or not target_loop else ["--no-draft-stream"]
+            peer += [] if tree_ipc or not target_loop else ["--no-tree-ipc"]
             workers.append(WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype,
                                          args=extra + peer))  # fmt: skip
             workers[1].start()
@@ -421,6 +428,7 @@ def _grpc_decoder(
         host="127.0.0.1",
         draft_address=d_srv.address if target_loop else None,
         draft_streams=streams,
+        tree_slots=tree_ipc,
     )
     cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
                           tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0, overlap=overlap,
@@ -497,6 +505,7 @@ def build_decoders(
     trees["specsplit-grpc-targetloop-overlap-dynamic"] = trees["specsplit-dynamic"]
     trees["specsplit-grpc-dynamic-unary"] = trees["specsplit-dynamic"]
     trees["specsplit-grpc-targetloop-dynamic-unary"] = trees["specsplit-dynamic"]
+    trees["specsplit-grpc-targetloop-dynamic-noipc"] = trees["specsplit-dynamic"]
     labels = {
         "hf-target": "HF generate(), target only, greedy (baseline a)",
         "hf-assisted": f"HF assisted generation, {k} draft tokens a round, constant schedule, no confidence stop",
@@ -522,6 +531,9 @@ def build_decoders(
     )
     for name in ("specsplit-grpc-dynamic", "specsplit-grpc-targetloop-dynamic"):
         labels[f"{name}-unary"] = f"{labels[name]}, unary calls instead of streams"
+    labels["specsplit-grpc-targetloop-dynamic-noipc"] = (
+        f"{labels['specsplit-grpc-targetloop-dynamic']}, trees in the draft worker's replies (no tree slots)"
+    )
     for name in (
         n for n in OPTIONAL_DECODERS if n.endswith(COMPILED_SUFFIX)
     ):  # these always fuse their graphs
@@ -556,7 +568,8 @@ def build_decoders(
                                     grpc_processes, name, overlap="-overlap" in base,
                                     target_loop="-targetloop" in base,
                                     target_graph_rounds=target_graph_rounds,
-                                    streams=not base.endswith("-unary"))  # fmt: skip
+                                    streams=not base.endswith("-unary"),
+                                    tree_ipc=not base.endswith("-noipc"))  # fmt: skip
                 if isinstance(dec, str):
                     logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec

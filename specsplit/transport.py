@@ -68,6 +68,9 @@ class DraftRequest:
             tokens; ``max_depth`` then caps ``assumed + tree depth``. If the guess turns out wrong
             the caller sends a normal request with the pre-speculation ``prefix_length`` and the
             engine drops the speculative tail, reusing the part that matches.
+        tree_channel / tree_slot: over gRPC between co-located workers, the tree slot to leave the
+            tree in (:mod:`specsplit.remote.tree_slots`); ``""``: return the tree itself. Engines
+            ignore them.
     """
 
     session_id: str
@@ -79,17 +82,36 @@ class DraftRequest:
     max_depth: int | None = None
     capacity_hint: int = 0
     speculate: bool = False
+    tree_channel: str = ""
+    tree_slot: int = 0
+
+
+@dataclass
+class TreeSlotRef:
+    """Where a draft worker left a tree in GPU memory a co-located target worker maps
+    (:mod:`specsplit.remote.tree_slots`), with the host-side bounds verification needs."""
+
+    channel_id: str
+    slot: int
+    num_nodes: int
+    max_branch: int
+    depth_bound: int
 
 
 @dataclass
 class DraftResult:
-    """A drafted tree and what the draft's cache holds after ingesting the new tokens."""
+    """A drafted tree and what the draft's cache holds after ingesting the new tokens.
+
+    ``tree_in_slot`` is set (and ``tree`` empty) when a draft worker left the tree in a tree slot;
+    the target worker that asked for it reads it from there.
+    """
 
     tree: TokenTree
     prefix_length: int
     stats: WorkerStats = field(default_factory=WorkerStats)
     cache_hit: bool = False  # the session (or a matching prefix) was reused
     assumed_token_ids: list[int] = field(default_factory=list)  # speculate: the tokens assumed committed
+    tree_in_slot: TreeSlotRef | None = None
 
 
 @dataclass

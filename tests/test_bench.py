@@ -269,7 +269,7 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
             if not d.name.endswith("-compiled"):  # the plain gRPC A/B pairs: graphs only with --cuda-graphs
-                assert d.name.removesuffix("-unary") in (
+                assert d.name.removesuffix("-unary").removesuffix("-noipc") in (
                     "specsplit-grpc-dynamic",
                     "specsplit-grpc-targetloop-dynamic",
                 )
@@ -277,6 +277,7 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
                 assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
                 assert d.config.grpc_streams == (not d.name.endswith("-unary"))  # the streams' A/B
                 assert ("unary calls" in d.label) == d.name.endswith("-unary")
+                assert ("no tree slots" in d.label) == d.name.endswith("-noipc")  # the tree slots' A/B
                 continue
             assert d.shape_warmup  # a graph per KV bucket: warmed up on every prompt
             assert "fused by torch.compile" in d.label, d.label

@@ -272,3 +272,54 @@ def test_engine_masked_attention_is_memory_efficient_not_cudnn(llama_target):
     names = {e.name for e in prof.events()}
     assert "aten::_scaled_dot_product_efficient_attention" in names
     assert "aten::_scaled_dot_product_cudnn_attention" not in names
+
+
+@pytest.mark.parametrize("ipc", [True, False])
+def test_grpc_target_loop_tree_slots_exact(model_dirs, ipc):
+    """The target loop with its draft worker in another process on this host: greedy trees come from
+    the draft worker's GPU memory (CUDA IPC tree slots, the verification queued behind the draft's
+    GPU work) and the tokens equal HF greedy, generation after generation; ``tree_slots=False``:
+    every tree travels in the reply, same tokens."""
+    from remote_support import load_saved
+
+    from specsplit.remote import serve_target
+    from specsplit.remote.launch import WorkerProcess
+    from specsplit.target import TargetEngine
+
+    ddev, tdev = _devices()
+    target_dir, draft_dir = model_dirs
+    target = load_saved(target_dir).to(tdev)
+    t_engine = TargetEngine(
+        target, TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512)
+    )
+    refs = [target.generate(torch.tensor([p], device=tdev), max_new_tokens=40, do_sample=False).cpu()
+            for p in PROMPTS]  # fmt: skip
+    tree = TreeConfig(shape="dynamic", budget=16, max_depth=4, topk=4, width=4)
+    with WorkerProcess("draft", str(draft_dir), device=ddev, dtype="float32", args=["--cuda-graphs"],
+                       ready_timeout_s=300) as d:  # fmt: skip
+        with serve_target(t_engine, draft_address=d.address, tree_slots=ipc) as t_srv:
+            cfg = SpecSplitConfig(
+                transport="grpc", target_address=t_srv.address, tree=tree, grpc_loop="target"
+            )
+            with SpecSplitGenerator(None, None, config=cfg) as gen:
+                for _ in range(2):
+                    for p, ref in zip(PROMPTS, refs, strict=True):
+                        out = gen.generate(torch.tensor([p]), max_new_tokens=40, return_dict_in_generate=True)
+                        assert torch.equal(out.sequences, ref)
+                        assert out.spec_stats.tau > 1
+            loop = t_srv.on_stop[0].__self__  # the servicer's TargetLoopTransport
+            if ipc:
+                assert loop._slots is not None, "".join(d._log[-20:])
+                assert loop._slots.reads >= 2 * len(PROMPTS) * 3
+            else:
+                assert loop._slots is None
+
+
+def test_tree_slot_sanitize_on_cuda_equals_cpu():
+    from specsplit.remote.tree_slots import sanitize
+
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(-3, 40, (3, 24), generator=g)
+    want = sanitize(raw, 32, torch.arange(24))
+    got = sanitize(raw.cuda(), 32, torch.arange(24, device="cuda"))
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got, strict=True))

@@ -74,6 +74,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "unary call's latency); --no-draft-stream: one unary call a round",
     )
     p.add_argument(
+        "--tree-ipc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="target: with the draft worker on this host and both on CUDA GPUs, read each round's "
+        "tree from the draft worker's GPU memory (CUDA IPC) instead of its reply, so verification is "
+        "queued behind the draft's GPU work (default; falls back to replies where it cannot); "
+        "--no-tree-ipc: trees always travel in replies. SPECSPLIT_TREE_IPC=0 turns it off on either worker",
+    )
+    p.add_argument(
         "--draft-auth-token-file",
         default=None,
         help="target: file holding the draft worker's bearer token (or set SPECSPLIT_DRAFT_AUTH_TOKEN)",
@@ -172,10 +181,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
     draft_peer: dict[str, Any] = {}
     if args.role == "draft" and (
-        args.draft_address or args.draft_auth_token_file or args.draft_tls_ca or not args.draft_stream
+        args.draft_address
+        or args.draft_auth_token_file
+        or args.draft_tls_ca
+        or not args.draft_stream
+        or not args.tree_ipc
     ):
         raise ConfigError(
-            "--draft-address, --draft-auth-token-file, --draft-tls-ca and --no-draft-stream are target options"
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --no-draft-stream and "
+            "--no-tree-ipc are target options"
         )
     if args.draft_address:
         draft_peer = {
@@ -185,6 +199,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             ),
             "draft_tls_ca_file": args.draft_tls_ca,
             "draft_streams": args.draft_stream,
+            "tree_slots": args.tree_ipc,
         }
     common = engine_options(args)
     limits = ServerLimits(

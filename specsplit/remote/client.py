@@ -277,6 +277,20 @@ class GrpcTransport:
             raise
         return convert.draft_result_from_proto(resp)
 
+    def share_tree_slots(self, host_id: str, slots: int) -> pb.ShareTreeSlotsResponse:
+        """Ask the draft worker for tree slots (:mod:`specsplit.remote.tree_slots`); one unary call.
+
+        Raises:
+            TransportError: no draft worker, or the call failed (``UNIMPLEMENTED``: an older worker).
+        """
+        if self._draft is None:
+            raise TransportError("no draft worker configured (draft_address is None)")
+        msg = pb.ShareTreeSlotsRequest(host_id=host_id, slots=slots)
+        resp: pb.ShareTreeSlotsResponse = self._call(
+            self._draft, "ShareTreeSlots", msg, timeout=min(self.timeout_s, _PROBE_TIMEOUT_S), retry=False
+        )
+        return resp
+
     def verify(self, request: VerifyRequest) -> VerifyResult:
         msg = _encode(convert.verify_request_to_proto, request)
         resp = self._call_or_stream(self._target_peer(), "VerifyDrafts", self._verify_stream, msg, retry=True)

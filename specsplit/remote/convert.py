@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import numpy as np
@@ -29,6 +30,7 @@ from specsplit.transport import (
     DraftResult,
     GenerateRequest,
     GenerateUpdate,
+    TreeSlotRef,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
@@ -255,6 +257,8 @@ def draft_request_to_proto(r: DraftRequest) -> pb.DraftRequest:
         sampling=sampling_to_proto(r.sampling),
         capacity_hint=r.capacity_hint,
         speculate=r.speculate,
+        tree_channel=r.tree_channel,
+        tree_slot=r.tree_slot,
         **kwargs,
     )
 
@@ -270,27 +274,42 @@ def draft_request_from_proto(m: pb.DraftRequest) -> DraftRequest:
         max_depth=m.max_depth if m.HasField("max_depth") else None,
         capacity_hint=m.capacity_hint,
         speculate=m.speculate,
+        tree_channel=m.tree_channel,
+        tree_slot=m.tree_slot,
     )
 
 
 def draft_result_to_proto(r: DraftResult) -> pb.DraftResponse:
-    return pb.DraftResponse(
-        tree=tree_to_proto(r.tree),
+    """The tree travels in the message unless it was left in a tree slot (no device read then)."""
+    m = pb.DraftResponse(
         prefix_length=r.prefix_length,
         cache_hit=r.cache_hit,
         telemetry=stats_to_proto(r.stats),
         assumed_token_ids=r.assumed_token_ids,
     )
+    if r.tree_in_slot is not None:
+        m.tree_in_slot.CopyFrom(pb.TreeSlotRef(**asdict(r.tree_in_slot)))
+    else:
+        m.tree.CopyFrom(tree_to_proto(r.tree))
+    return m
 
 
 def draft_result_from_proto(m: pb.DraftResponse) -> DraftResult:
+    in_slot = m.HasField("tree_in_slot")
+    if in_slot and len(m.tree.token_ids):
+        raise InvalidRequest("a draft response carries both a tree and a tree slot")
     return DraftResult(
-        tree=tree_from_proto(m.tree),
+        tree=TokenTree.empty() if in_slot else tree_from_proto(m.tree),
         prefix_length=m.prefix_length,
         stats=stats_from_proto(m.telemetry),
         cache_hit=m.cache_hit,
         assumed_token_ids=list(m.assumed_token_ids),
+        tree_in_slot=_slot_ref(m.tree_in_slot) if in_slot else None,
     )
+
+
+def _slot_ref(m: pb.TreeSlotRef) -> TreeSlotRef:
+    return TreeSlotRef(m.channel_id, m.slot, m.num_nodes, m.max_branch, m.depth_bound)
 
 
 def verify_request_to_proto(r: VerifyRequest) -> pb.VerifyRequest:

@@ -46,6 +46,7 @@ from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
 from specsplit.remote.client import STREAM_FULL_KEY, GrpcTransport
 from specsplit.remote.target_loop import TargetLoopTransport, decode_params
+from specsplit.remote.tree_slots import TreeSlotExporter
 from specsplit.telemetry import SpecStats
 from specsplit.transport import GenerateUpdate
 
@@ -230,6 +231,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     def __init__(self, engine: Any, limits: ServerLimits | None = None, max_streams: int = 4):
         self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams)
+        cfg = getattr(engine, "config", None)
+        self._slots = TreeSlotExporter(
+            getattr(engine, "device", torch.device("cpu")), getattr(cfg, "max_tree_nodes", 64)
+        )
 
     def _check_limits(self, m: pb.DraftRequest) -> None:
         lim = self._h.limits
@@ -245,11 +250,19 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             self._check_limits(request)
             req = convert.draft_request_from_proto(request)
             req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
-            resp = convert.draft_result_to_proto(self._h.engine.generate(req))
+            res = self._h.engine.generate(req)
+            if req.tree_channel and not req.speculate:
+                res.tree_in_slot = self._slots.place(req.tree_channel, req.tree_slot, res.tree)
+            resp = convert.draft_result_to_proto(res)
             resp.telemetry.server_time_s = time.perf_counter() - t0
             return resp
 
         return self._h.run(context, request.session_id, work)
+
+    def ShareTreeSlots(
+        self, request: pb.ShareTreeSlotsRequest, context: grpc.ServicerContext
+    ) -> pb.ShareTreeSlotsResponse:
+        return self._h.run(context, None, lambda t0: self._slots.share(request))
 
     def GenerateDraftsStream(
         self, request_iterator: Iterator[pb.DraftRequest], context: grpc.ServicerContext
@@ -273,6 +286,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         limits: request limits (the engine's own tree and context limits take precedence).
         draft: client of the draft worker ``Generate`` calls draft on (``None``: target-only).
         max_streams: most ``VerifyDraftsStream`` streams open at once (each holds a request thread).
+        tree_slots: ``Generate`` reads trees from a co-located draft worker's GPU memory where it
+            can (:mod:`specsplit.remote.tree_slots`).
     """
 
     def __init__(
@@ -281,6 +296,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         limits: ServerLimits | None = None,
         draft: GrpcTransport | None = None,
         max_streams: int = 4,
+        tree_slots: bool = True,
     ):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
@@ -289,7 +305,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 limits.max_message_bytes, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.max_context
             )
         self._h = _Handler(engine, "target", limits, max_streams)
-        self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity)
+        self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity, tree_slots)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
@@ -519,10 +535,16 @@ def serve_draft(
         The running :class:`WorkerServer`.
     """
     limits = limits or ServerLimits()
-    return _serve(
+    server = _serve(
         "draft", DraftServicer(engine, limits, _max_streams(max_workers)), pb_grpc.add_DraftServiceServicer_to_server,
         engine, port, host, max_workers, tls, auth_token, limits,
     )  # fmt: skip
+    sync = getattr(engine, "synchronize", None)
+    if sync is not None and getattr(engine, "device", torch.device("cpu")).type == "cuda":
+        # A reply may leave before its tree's GPU work ends (tree slots): let that work finish, so a
+        # target worker waiting on the slot's event is not left waiting by a stopped worker.
+        server.on_stop.append(sync)
+    return server
 
 
 def serve_target(
@@ -539,6 +561,7 @@ def serve_target(
     draft_tls_ca_file: str | Path | None = None,
     draft_timeout_s: float = 60.0,
     draft_streams: bool = True,
+    tree_slots: bool = True,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
 
@@ -551,6 +574,9 @@ def serve_target(
         draft_timeout_s: deadline of each call to the draft worker.
         draft_streams: call the draft worker over a long-lived stream (``GenerateDraftsStream``;
             ``False``: unary ``GenerateDrafts`` calls).
+        tree_slots: with the draft worker on this host and both on CUDA devices, greedy rounds read
+            each tree from the draft worker's GPU memory (CUDA IPC) instead of its reply, so the
+            verification is queued behind the draft's GPU work (:mod:`specsplit.remote.tree_slots`).
 
     Each running ``Generate`` holds one of the ``max_workers`` request threads for its whole length.
     """
@@ -559,7 +585,7 @@ def serve_target(
     if draft_address:
         draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
                               tls_ca_file=draft_tls_ca_file, streams=draft_streams)  # fmt: skip
-    servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers))
+    servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers), tree_slots)
     server = _serve(
         "target", servicer, pb_grpc.add_TargetServiceServicer_to_server,
         engine, port, host, max_workers, tls, auth_token, limits,

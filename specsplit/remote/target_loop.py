@@ -13,15 +13,19 @@ client cannot make a worker open connections of its choosing.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from specsplit.errors import InvalidRequest, ResourceExhausted, TransportError
+from specsplit.errors import InvalidRequest, ResourceExhausted, SpecSplitError, TransportError
 from specsplit.pipeline import DecodeParams, OverlapPolicies
 from specsplit.remote.client import GrpcTransport
+from specsplit.remote.tree_slots import TreeSlotImporter, host_id, ipc_enabled
 from specsplit.transport import (
     DraftRequest,
     DraftResult,
@@ -31,7 +35,11 @@ from specsplit.transport import (
     WorkerInfo,
 )
 
+logger = logging.getLogger(__name__)
+
 _RNG_STATE_BYTES = torch.Generator().get_state().numel()
+_SLOTS = 8  # tree slots asked for: generations one target worker runs at once with slots
+_RESHARE_S = 30.0  # after slots were refused or failed, how long trees travel in replies
 
 
 class TargetLoopTransport:
@@ -42,16 +50,36 @@ class TargetLoopTransport:
     worker through a draft-only :class:`GrpcTransport`, so a failing draft worker turns the rest of
     a generation into target-only steps exactly as in client-loop mode.
 
+    With ``tree_slots`` and both workers on CUDA devices of one host, greedy rounds take their trees
+    from the draft worker's GPU memory instead of the reply (:mod:`specsplit.remote.tree_slots`):
+    one slot per running generation, asked for once (``ShareTreeSlots``). Trees travel in replies
+    for good when the draft worker refuses slots or their handles do not open here; for
+    ``_RESHARE_S`` when the call fails; and the slots are asked for again at once when the draft
+    worker answers a slot request with the tree itself (it restarted and lost the channel).
+
     Args:
         engine: the worker's :class:`~specsplit.target.TargetEngine`.
         draft: client of the draft worker, or ``None`` (every generation is target-only).
         clamp_capacity: the worker's clamp of capacity hints to its ``max_context``.
+        tree_slots: use tree slots where possible (``specsplit serve target --tree-ipc``).
     """
 
-    def __init__(self, engine: Any, draft: GrpcTransport | None, clamp_capacity: Callable[[int], int]):
+    def __init__(
+        self,
+        engine: Any,
+        draft: GrpcTransport | None,
+        clamp_capacity: Callable[[int], int],
+        tree_slots: bool = True,
+    ):
         self.engine = engine
         self._draft = draft
         self._clamp = clamp_capacity
+        self._want_slots = tree_slots and draft is not None and ipc_enabled()
+        self._slots: TreeSlotImporter | None = None
+        self._slot_of: dict[str, int] = {}  # session -> its slot in self._slots
+        self._free: list[int] = []
+        self._share_after = 0.0  # monotonic time before which no ShareTreeSlots is attempted
+        self._slots_lock = threading.Lock()
 
     @property
     def has_draft(self) -> bool:
@@ -60,13 +88,79 @@ class TargetLoopTransport:
     def draft(self, request: DraftRequest) -> DraftResult:
         if self._draft is None:
             raise TransportError("this target worker has no draft worker (serve it with --draft-address)")
-        return self._draft.draft(request)
+        slots = None
+        if self._want_slots and not request.speculate and not request.sampling.do_sample:
+            slots, request.tree_channel, request.tree_slot = self._slot_for(request.session_id)
+        res = self._draft.draft(request)
+        if res.tree_in_slot is not None:
+            if slots is None:
+                raise TransportError("the draft worker answered with a tree slot nobody asked for")
+            cfg = self.engine.config
+            res.tree = slots.read(res.tree_in_slot, self.engine.model_vocab_size, cfg.max_tree_nodes,
+                                  cfg.max_tree_depth)  # fmt: skip
+        elif slots is not None and request.tree_channel:
+            self._drop_slots(slots, "the draft worker sent the tree in its reply (restarted?)")
+        return res
+
+    def _slot_for(self, session_id: str) -> tuple[TreeSlotImporter | None, str, int]:
+        """The session's slot (taken on its first round); ``(None, "", 0)``: the tree comes in the reply."""
+        with self._slots_lock:
+            if self._slots is None:
+                if time.monotonic() < self._share_after:
+                    return None, "", 0
+                self._share()
+            slots = self._slots
+            if slots is None:
+                return None, "", 0
+            slot = self._slot_of.get(session_id)
+            if slot is None:
+                if not self._free:
+                    return None, "", 0  # more generations at once than slots: this one uses replies
+                slot = self._slot_of[session_id] = self._free.pop()
+            return slots, slots.channel_id, slot
+
+    def _share(self) -> None:
+        """Ask the draft worker for slots (lock held); on failure retry after ``_RESHARE_S``."""
+        self._share_after = time.monotonic() + _RESHARE_S
+        device = self.engine.device
+        if device.type != "cuda":
+            self._want_slots = False
+            logger.info("tree slots off: the target runs on %s", device)
+            return
+        assert self._draft is not None
+        try:
+            resp = self._draft.share_tree_slots(host_id(), _SLOTS)
+        except SpecSplitError as e:  # unreachable now, or an older worker: trees travel in replies
+            logger.info("tree slots unavailable (%s); trees travel in the draft worker's replies", e)
+            return
+        try:
+            self._slots = TreeSlotImporter(resp, device)
+        except TransportError as e:  # refused, or the handles do not open here: for good
+            self._want_slots = False
+            logger.info("tree slots off (%s); trees travel in the draft worker's replies", e)
+            return
+        self._free = list(range(self._slots.slots))[::-1]
+        self._slot_of.clear()
+        logger.info("tree slots on: %d slots of %d nodes (channel %s)", self._slots.slots,
+                    self._slots.slot_nodes, self._slots.channel_id[:8])  # fmt: skip
+
+    def _drop_slots(self, slots: TreeSlotImporter, why: str) -> None:
+        with self._slots_lock:
+            if self._slots is slots:
+                logger.info("tree slots dropped: %s", why)
+                self._slots = None
+                self._slot_of.clear()
+                self._share_after = time.monotonic()  # ask again at the next round
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         request.capacity_hint = self._clamp(request.capacity_hint)
         return self.engine.verify(request)
 
     def end_session(self, session_id: str) -> None:
+        with self._slots_lock:
+            slot = self._slot_of.pop(session_id, None)
+            if slot is not None:
+                self._free.append(slot)
         self.engine.end_session(session_id)
         if self._draft is not None:
             # Waited for: the draft worker lends its one graph workspace to one session at a time, so

@@ -113,7 +113,7 @@ class Telemetry(_message.Message):
     def __init__(self, wall_time_s: _Optional[float] = ..., model_time_s: _Optional[float] = ..., tokens_processed: _Optional[int] = ..., forwards: _Optional[int] = ..., device: _Optional[str] = ..., server_time_s: _Optional[float] = ..., verify_mode: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "new_token_ids", "prefix_length", "tree", "sampling", "seed", "max_depth", "capacity_hint", "speculate")
+    __slots__ = ("session_id", "new_token_ids", "prefix_length", "tree", "sampling", "seed", "max_depth", "capacity_hint", "speculate", "tree_channel", "tree_slot")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,8 @@ class DraftRequest(_message.Message):
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_HINT_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    TREE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    TREE_SLOT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_length: int
@@ -132,21 +134,79 @@ class DraftRequest(_message.Message):
     max_depth: int
     capacity_hint: int
     speculate: bool
-    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_depth: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., speculate: _Optional[bool] = ...) -> None: ...
+    tree_channel: str
+    tree_slot: int
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_depth: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., speculate: _Optional[bool] = ..., tree_channel: _Optional[str] = ..., tree_slot: _Optional[int] = ...) -> None: ...
+
+class TreeSlotRef(_message.Message):
+    __slots__ = ("channel_id", "slot", "num_nodes", "max_branch", "depth_bound")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_BOUND_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    slot: int
+    num_nodes: int
+    max_branch: int
+    depth_bound: int
+    def __init__(self, channel_id: _Optional[str] = ..., slot: _Optional[int] = ..., num_nodes: _Optional[int] = ..., max_branch: _Optional[int] = ..., depth_bound: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tree", "prefix_length", "cache_hit", "telemetry", "assumed_token_ids")
+    __slots__ = ("tree", "prefix_length", "cache_hit", "telemetry", "assumed_token_ids", "tree_in_slot")
     TREE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_IN_SLOT_FIELD_NUMBER: _ClassVar[int]
     tree: TokenTree
     prefix_length: int
     cache_hit: bool
     telemetry: Telemetry
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tree: _Optional[_Union[TokenTree, _Mapping]] = ..., prefix_length: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tree_in_slot: TreeSlotRef
+    def __init__(self, tree: _Optional[_Union[TokenTree, _Mapping]] = ..., prefix_length: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., tree_in_slot: _Optional[_Union[TreeSlotRef, _Mapping]] = ...) -> None: ...
+
+class ShareTreeSlotsRequest(_message.Message):
+    __slots__ = ("host_id", "slots")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    slots: int
+    def __init__(self, host_id: _Optional[str] = ..., slots: _Optional[int] = ...) -> None: ...
+
+class ShareTreeSlotsResponse(_message.Message):
+    __slots__ = ("available", "reason", "channel_id", "slots", "slot_nodes", "device_uuid", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "storage_event_handle", "storage_event_sync_required", "slot_event_handles")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_NODES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    reason: str
+    channel_id: str
+    slots: int
+    slot_nodes: int
+    device_uuid: str
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    storage_event_handle: bytes
+    storage_event_sync_required: bool
+    slot_event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., channel_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_nodes: _Optional[int] = ..., device_uuid: _Optional[str] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., storage_event_handle: _Optional[bytes] = ..., storage_event_sync_required: _Optional[bool] = ..., slot_event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree", "pending_token_ids", "expected_prefix_length", "sampling", "seed", "capacity_hint")

@@ -54,6 +54,11 @@ class DraftServiceStub:
                 request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.ShareTreeSlots = channel.unary_unary(
+                '/specsplit.v1.DraftService/ShareTreeSlots',
+                request_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.ShareTreeSlotsRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.ShareTreeSlotsResponse.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -89,6 +94,14 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareTreeSlots(self, request, context):
+        """Grant GPU memory a co-located target worker reads trees from (CUDA IPC). Idempotent in effect:
+        every call gets a new channel; a worker keeps a bounded number of channels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.PingResponse.SerializeToString,
+            ),
+            'ShareTreeSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareTreeSlots,
+                    request_deserializer=specsplit_dot_v1_dot_spec__decoding__pb2.ShareTreeSlotsRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_spec__decoding__pb2.ShareTreeSlotsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class DraftService:
             '/specsplit.v1.DraftService/Ping',
             specsplit_dot_v1_dot_spec__decoding__pb2.PingRequest.SerializeToString,
             specsplit_dot_v1_dot_spec__decoding__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareTreeSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.DraftService/ShareTreeSlots',
+            specsplit_dot_v1_dot_spec__decoding__pb2.ShareTreeSlotsRequest.SerializeToString,
+            specsplit_dot_v1_dot_spec__decoding__pb2.ShareTreeSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,
