@@ -240,10 +240,9 @@ class TreeSlotImporter:
                 f"draft reply: tree bounds (branch {ref.max_branch}, depth {ref.depth_bound}) beyond "
                 f"this worker's limits ({max_nodes} nodes, depth {max_depth})"
             )
-        ev = self.events[ref.slot]
-        torch.cuda.current_stream(self.device).wait_event(ev)
-        if self.buffer.device != self.device:  # the copy below also runs on the source's stream
-            torch.cuda.current_stream(self.buffer.device).wait_event(ev)
+        # Waited for on its own device's stream (a wait on an IPC event from another device
+        # crashes); a copy across devices then orders this device's stream after that one.
+        torch.cuda.current_stream(self.buffer.device).wait_event(self.events[ref.slot])
         raw = self.buffer[ref.slot, : ROWS * n].view(ROWS, n).to(self.device, non_blocking=True)
         tok, par, dep = sanitize(raw, vocab_size, self._arange(n))
         self.reads += 1
