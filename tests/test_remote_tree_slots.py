@@ -203,6 +203,10 @@ def test_target_loop_gives_each_generation_a_slot_and_takes_it_back(monkeypatch)
     loop.end_session("a")
     loop.draft(DraftRequest("c", [], 4, DYNAMIC))
     assert draft.requests[-1][1:] == ("ch1", sa)  # a's slot went to c
+    draft.close = lambda: None
+    loop.close()  # unmaps the slots; nothing asks for them again
+    loop.draft(DraftRequest("d", [1], 0, DYNAMIC))
+    assert loop._slots is None and draft.requests[-1][1] == "" and draft.shares == 1
 
 
 def test_target_loop_keeps_speculative_and_sampled_trees_in_replies(monkeypatch):

@@ -174,6 +174,9 @@ class TargetLoopTransport:
         return out
 
     def close(self) -> None:
+        with self._slots_lock:  # unmap the draft worker's slots (its memory is freed when it exits)
+            self._slots, self._want_slots = None, False
+            self._slot_of.clear()
         if self._draft is not None:
             self._draft.close()
 
