@@ -124,7 +124,7 @@ class TreeSlotExporter:
                     buffer.untyped_storage()._share_cuda_()
                 )
                 ev_handles = [ev.ipc_handle() for ev in events]
-        except (RuntimeError, AttributeError) as e:  # e.g. expandable segments cannot be shared
+        except (RuntimeError, AttributeError) as e:  # an allocator or driver that cannot share memory
             logger.info("tree slots refused: CUDA IPC is not available here (%s)", e)
             return pb.ShareTreeSlotsResponse(available=False, reason=f"CUDA IPC is not available: {e}")
         channel_id = uuid.uuid4().hex
