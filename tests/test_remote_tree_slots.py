@@ -234,12 +234,22 @@ def test_target_loop_falls_back_when_slots_are_refused_or_lost(monkeypatch):
     loop.draft(DraftRequest("b", [1], 0, DYNAMIC))
     assert refusing.shares == 1 and not loop._want_slots and [r[1] for r in refusing.requests] == ["", ""]
 
-    restarted = _FakeDraft(answer_in_slot=False)  # knows no channel: sends the tree itself
-    loop = _loop(restarted, monkeypatch)
+    fresh = _FakeDraft(answer_in_slot=False)  # grants slots, then answers with trees anyway
+    loop = _loop(fresh, monkeypatch)
     res = loop.draft(DraftRequest("a", [1], 0, DYNAMIC))
     assert res.tree.num_nodes == 1 and loop._slots is None
-    restarted.answer_in_slot = True
     loop.draft(DraftRequest("a", [], 4, DYNAMIC))
+    assert fresh.shares == 1 and fresh.requests[-1][1] == ""  # not asked again every round
+
+    restarted = _FakeDraft()  # slots in use for a while, then the worker restarts and knows no channel
+    loop = _loop(restarted, monkeypatch)
+    loop.draft(DraftRequest("a", [1], 0, DYNAMIC))
+    loop._shared_at -= tl._RESHARE_S
+    restarted.answer_in_slot = False
+    res = loop.draft(DraftRequest("a", [], 4, DYNAMIC))
+    assert res.tree.num_nodes == 1 and loop._slots is None
+    restarted.answer_in_slot = True
+    loop.draft(DraftRequest("a", [], 5, DYNAMIC))
     assert restarted.shares == 2 and restarted.requests[-1][1] == "ch2"  # asked again at once
 
 

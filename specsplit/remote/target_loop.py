@@ -54,8 +54,9 @@ class TargetLoopTransport:
     from the draft worker's GPU memory instead of the reply (:mod:`specsplit.remote.tree_slots`):
     one slot per running generation, asked for once (``ShareTreeSlots``). Trees travel in replies
     for good when the draft worker refuses slots or their handles do not open here; for
-    ``_RESHARE_S`` when the call fails; and the slots are asked for again at once when the draft
-    worker answers a slot request with the tree itself (it restarted and lost the channel).
+    ``_RESHARE_S`` when the call fails; and the slots are asked for again when the draft worker
+    answers a slot request with the tree itself (it restarted and lost the channel): at once,
+    unless the slots were granted less than ``_RESHARE_S`` ago.
 
     Args:
         engine: the worker's :class:`~specsplit.target.TargetEngine`.
@@ -79,6 +80,7 @@ class TargetLoopTransport:
         self._slot_of: dict[str, int] = {}  # session -> its slot in self._slots
         self._free: list[int] = []
         self._share_after = 0.0  # monotonic time before which no ShareTreeSlots is attempted
+        self._shared_at = 0.0  # when the current slots were granted
         self._slots_lock = threading.Lock()
 
     @property
@@ -139,6 +141,7 @@ class TargetLoopTransport:
             self._want_slots = False
             logger.info("tree slots off (%s); trees travel in the draft worker's replies", e)
             return
+        self._shared_at = time.monotonic()
         self._free = list(range(self._slots.slots))[::-1]
         self._slot_of.clear()
         logger.info("tree slots on: %d slots of %d nodes (channel %s)", self._slots.slots,
@@ -150,7 +153,10 @@ class TargetLoopTransport:
                 logger.info("tree slots dropped: %s", why)
                 self._slots = None
                 self._slot_of.clear()
-                self._share_after = time.monotonic()  # ask again at the next round
+                # Ask again at the next round, unless these slots were new: then at most once per
+                # _RESHARE_S, so a draft worker that keeps answering with trees costs no call a round.
+                now = time.monotonic()
+                self._share_after = now if now - self._shared_at >= _RESHARE_S else now + _RESHARE_S
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         request.capacity_hint = self._clamp(request.capacity_hint)
