@@ -276,3 +276,25 @@ def test_target_loop_on_cpu_workers_equals_local(engines):
         )
         with SpecSplitGenerator(config=cfg) as gen:
             assert torch.equal(gen.generate(ids, max_new_tokens=12), want)
+
+
+def test_importer_rejects_bad_slot_refs_before_touching_the_gpu():
+    """A misbehaving draft worker's reply (another channel, a slot or node count out of range, bounds
+    beyond this worker's limits) is a TransportError (the loop then continues target-only); nothing
+    is queued on the device and nothing is counted as read."""
+    imp = object.__new__(tree_slots.TreeSlotImporter)
+    imp.channel_id, imp.slots, imp.slot_nodes, imp.reads = "ch", 2, 8, 0
+    bad = [
+        TreeSlotRef("other", 0, 3, 2, 2),
+        TreeSlotRef("ch", 2, 3, 2, 2),
+        TreeSlotRef("ch", -1, 3, 2, 2),
+        TreeSlotRef("ch", 0, 9, 2, 2),  # more nodes than a slot holds
+        TreeSlotRef("ch", 0, 7, 2, 2),  # more than this worker's max_nodes (6)
+        TreeSlotRef("ch", 0, 3, 2, 5),  # deeper than max_depth (4)
+        TreeSlotRef("ch", 0, 3, 7, 2),  # wider than max_nodes
+        TreeSlotRef("ch", 0, -1, 2, 2),
+    ]
+    for ref in bad:
+        with pytest.raises(TransportError, match="draft reply"):
+            imp.read(ref, 100, max_nodes=6, max_depth=4)
+    assert imp.reads == 0

@@ -7,7 +7,7 @@ reply's network hop, is serial host work while the GPU idles (~1.3 ms a round on
 ``benchmarks/results/grpc_round_trace-h200-random-interleaved.md``).
 
 With a target worker on the same host as its draft worker (``specsplit serve target
---draft-address``, the default ``--tree-ipc auto``), the target asks the draft worker once for
+--draft-address``; ``--tree-ipc`` is the default), the target asks the draft worker once for
 *tree slots* (``DraftService.ShareTreeSlots``): a small int64 buffer on the draft's GPU, shared
 through CUDA IPC, and one interprocess CUDA event per slot. Every round the draft worker queues a
 copy of the tree into the session's slot behind its tree growth, records the slot's event and
@@ -218,7 +218,7 @@ class TreeSlotImporter:
             self.events = [torch.cuda.Event.from_ipc_handle(src, h) for h in resp.slot_event_handles]
         except (RuntimeError, OSError, ValueError, TypeError) as e:
             raise TransportError(f"could not open the draft worker's tree slots here: {e}") from None
-        self._rows: dict[int, torch.Tensor] = {}
+        self._per_n: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> (arange(n), zeros(n))
         self.reads = 0  # trees read (telemetry, tests)
 
     def read(self, ref: TreeSlotRef, vocab_size: int, max_nodes: int, max_depth: int) -> TokenTree:
@@ -244,16 +244,17 @@ class TreeSlotImporter:
         # crashes); a copy across devices then orders this device's stream after that one.
         torch.cuda.current_stream(self.buffer.device).wait_event(self.events[ref.slot])
         raw = self.buffer[ref.slot, : ROWS * n].view(ROWS, n).to(self.device, non_blocking=True)
-        tok, par, dep = sanitize(raw, vocab_size, self._arange(n))
+        rows, log_probs = self._constants(n)
+        tok, par, dep = sanitize(raw, vocab_size, rows)
         self.reads += 1
-        return TokenTree(tok, par, dep, torch.zeros(n, device=self.device), None, None,
-                         ref.max_branch, ref.depth_bound)  # fmt: skip
+        return TokenTree(tok, par, dep, log_probs, None, None, ref.max_branch, ref.depth_bound)
 
-    def _arange(self, n: int) -> torch.Tensor:
-        rows = self._rows.get(n)
-        if rows is None:
-            rows = self._rows[n] = torch.arange(n, device=self.device)
-        return rows
+    def _constants(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``arange(n)`` and the greedy tree's (unused) zero log-probs, made once per node count."""
+        got = self._per_n.get(n)
+        if got is None:
+            got = self._per_n[n] = (torch.arange(n, device=self.device), torch.zeros(n, device=self.device))
+        return got
 
 
 def sanitize(raw: torch.Tensor, vocab_size: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
