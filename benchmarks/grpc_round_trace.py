@@ -557,7 +557,7 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specsplit.bench_report import rerender, write_result
+    from specsplit.bench_report import add_pair_arguments, rerender, write_result
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--hooked"]:
@@ -566,13 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         rerender(Path(argv[1]), _table, write_plot)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", required=True, help="draft model directory or alias")
-    ap.add_argument("--target", required=True, help="target model directory or alias")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--prompts-per-category", type=int, default=1)
+    add_pair_arguments(ap, prompts_per_category=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dynamic-tree", default="4,4,24,5", help="TOPK,WIDTH,BUDGET,DEPTH")
     ap.add_argument("--no-local", action="store_true", help="skip the in-process run")
     ap.add_argument(
         "--warmup-all",

@@ -191,19 +191,14 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specsplit.bench_report import rerender, write_result
+    from specsplit.bench_report import add_pair_arguments, rerender, write_result
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rerender"]:
         rerender(Path(argv[1]), _table, write_plot)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", required=True, help="draft model directory or alias")
-    ap.add_argument("--target", required=True, help="target model directory or alias")
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--prompts-per-category", type=int, default=4)
-    ap.add_argument("--dynamic-tree", default="4,4,24,5", help="TOPK,WIDTH,BUDGET,DEPTH")
+    add_pair_arguments(ap, prompts_per_category=4)
     ap.add_argument("--profile", action="store_true", help="add a profiler table per route")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="")

@@ -387,6 +387,17 @@ def write_result(
     return md
 
 
+def add_pair_arguments(ap: Any, prompts_per_category: int) -> None:
+    """The model-pair options the GPU benchmark scripts share: ``--draft``, ``--target``, ``--device``,
+    ``--dtype``, ``--prompts-per-category`` and ``--dynamic-tree``."""
+    ap.add_argument("--draft", required=True, help="draft model directory or alias")
+    ap.add_argument("--target", required=True, help="target model directory or alias")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompts-per-category", type=int, default=prompts_per_category)
+    ap.add_argument("--dynamic-tree", default="4,4,24,5", help="TOPK,WIDTH,BUDGET,DEPTH")
+
+
 def rerender(
     path: Path, table: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], bool]
 ) -> str:
