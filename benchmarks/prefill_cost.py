@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What a prompt's first round costs: the draft's prefill + first tree, the target's prefill + first
-verification, by attention route and by thread.
+verification, by route (attention kernel; eager or padded CUDA-graph prefills) and by thread.
 
 Those two calls run the only eager forwards of a round whose query rows exceed the folded kernel's
 limit, so their attention goes to SDPA. On Hopper PyTorch ranks cuDNN first for bf16 there; cuDNN
@@ -13,9 +13,13 @@ call of that route has seen in this process:
 * ``same length, new thread``: the same prompt again on a fresh thread (a gRPC worker serves each
   call on whichever pool thread is free).
 
-Routes: ``cudnn-allowed`` (``specsplit.attention.AVOID_CUDNN = False``: the choice is PyTorch's) and
-``memory-efficient`` (the engines' default on CUDA). ``--profile`` adds a torch-profiler table of one
-``new length`` verification per route (top host ops).
+Routes: ``cudnn-allowed`` (``specsplit.attention.AVOID_CUDNN = False``: the choice is PyTorch's),
+``memory-efficient`` (the engines' default on CUDA) and ``prefill-graphs`` (memory-efficient, with
+``DraftConfig/TargetConfig.prefill_graphs``: the prompt's forward padded to a bucket and replayed
+from that bucket's CUDA graph; its ``new length`` case captures the graph when the bucket is new to
+the process). ``--routes`` picks some. ``--profile`` adds a torch-profiler table of one ``new length``
+verification per route (top host ops). On a CPU the engines run the same static path without
+capture (a smoke test).
 
     python benchmarks/prefill_cost.py --draft qwen2.5-coder-0.5b --target qwen2.5-coder-1.5b \\
         --device cuda:0 --tag h200 --profile      # -> benchmarks/results/prefill_cost-h200.{json,md,png}
@@ -38,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ROUTES = ("cudnn-allowed", "memory-efficient")
+ROUTES = ("cudnn-allowed", "memory-efficient", "prefill-graphs")
 CASES = ("new length", "same length, same thread", "same length, new thread")
 
 
@@ -92,10 +96,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     topk, width, budget, depth = (int(x) for x in args.dynamic_tree.split(","))
     tree = TreeConfig(shape="dynamic", topk=topk, width=width, budget=budget, max_depth=depth)
     graphs = args.device.startswith("cuda")
+    routes = [r for r in ROUTES if r in args.routes.split(",")]
+    if not routes:
+        raise SystemExit(f"--routes: none of {args.routes!r} is one of {', '.join(ROUTES)}")
     draft = DraftEngine(config=DraftConfig(model=args.draft, device=args.device, dtype=args.dtype,
-                                           cuda_graphs=graphs))  # fmt: skip
+                                           cuda_graphs=True))  # fmt: skip
     target = TargetEngine(config=TargetConfig(model=args.target, device=args.device, dtype=args.dtype,
-                                              cuda_graphs=graphs))  # fmt: skip
+                                              cuda_graphs=True))  # fmt: skip
+
+    def use(route: str) -> None:
+        attention.AVOID_CUDNN = route != "cudnn-allowed"
+        draft.config.prefill_graphs = target.config.prefill_graphs = route == "prefill-graphs"
     draft.load_model()
     target.load_model()
 
@@ -111,15 +122,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         by_len.setdefault(len(p.input_ids), p.input_ids)
     pool = [by_len[k] for k in sorted(by_len)]
     warm, rest = pool[0], pool[1:]
-    half = len(rest) // 2  # each route gets lengths of its own: none seen before by that route
-    sets = {ROUTES[0]: rest[0::2][: half or None], ROUTES[1]: rest[1::2][: half or None]}
-    for route in ROUTES:  # kernels, graphs of the fixed-shape steps, libraries: loaded once, outside
-        attention.AVOID_CUDNN = route == "memory-efficient"
+    k = len(routes)  # each route gets lengths of its own: none seen before by that route
+    sets = {r: rest[i::k][: len(rest) // k or None] for i, r in enumerate(routes)}
+    for route in routes:  # kernels, graphs of the fixed-shape steps, libraries: loaded once, outside
+        use(route)
         _first_round(draft, target, warm, tree, sync)
     result: dict[str, Any] = {"times_ms": {}, "lengths": {}, "profiles": {}}
     used: set[int] = set()
-    for route in ROUTES:
-        attention.AVOID_CUDNN = route == "memory-efficient"
+    for route in routes:
+        use(route)
         rows: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for p in sets[route]:
             rows[CASES[0]].append(_first_round(draft, target, p, tree, sync))
@@ -133,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cut = cut[:-1]
             used.add(len(cut))
             result["profiles"][route] = _profile(draft, target, cut, tree, sync)
-    attention.AVOID_CUDNN = True
+    use("memory-efficient")
     draft.shutdown()
     target.shutdown()
     return result
@@ -141,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _table(res: dict[str, Any]) -> str:
     lines = [
-        f"# A prompt's first round by attention route ({res['device']}, {res['tag'] or 'untagged'})",
+        f"# A prompt's first round by route ({res['device']}, {res['tag'] or 'untagged'})",
         "",
         f"Command: `{res['command']}`",
         "",
@@ -185,7 +196,7 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
     ax.set_yticks(list(ys), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ms (median)")
-    ax.set_title(f"A prompt's first round by attention route: {res['device']}")
+    ax.set_title(f"A prompt's first round by route: {res['device']}")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
 
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pair_arguments(ap, prompts_per_category=4)
     ap.add_argument("--profile", action="store_true", help="add a profiler table per route")
+    ap.add_argument("--routes", default=",".join(ROUTES), help=f"comma-separated, of: {', '.join(ROUTES)}")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)

@@ -123,6 +123,7 @@ class BenchOptions:
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
     target_graph_rounds: bool = True  # every SpecSplit target verifies a greedy round in one graph
+    prefill_graphs: bool = False  # every SpecSplit engine pads its prompts to graph-replayed buckets
     dynamic_tree: tuple[int, int, int, int] | None = (
         None  # (topk, width, budget, depth) of the dynamic decoders
     )
@@ -317,6 +318,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         opts.grpc_workers == "process",
         opts.dynamic_tree,
         opts.target_graph_rounds,
+        opts.prefill_graphs,
     )
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
@@ -357,6 +359,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "overlap_draft_device": models.overlap_draft_device,
             "sync_timing": opts.sync_timing,
             "target_graph_rounds": opts.target_graph_rounds,
+            "prefill_graphs": opts.prefill_graphs,
             "num_draft_tokens": opts.num_draft_tokens,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "cuda_graphs": opts.cuda_graphs,
@@ -466,6 +469,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "forward alone in a graph, `specsplit serve --no-graph-rounds`)",
     )
     p.add_argument(
+        "--prefill-graphs",
+        action="store_true",
+        help="every SpecSplit engine, local or a gRPC worker (`specsplit serve --prefill-graphs`), runs a "
+        "prompt's forward padded to a bucket and replayed from one CUDA graph per bucket "
+        "(DraftConfig/TargetConfig.prefill_graphs; needs --cuda-graphs or a -compiled decoder)",
+    )
+    p.add_argument(
         "--overlap-draft-device",
         default=None,
         help="a copy of the draft on this device for the overlapped decoders (e.g. cuda:1; default: --draft-device)",
@@ -557,6 +567,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts.append("--sync-timing")
     if not args.target_graph_rounds:
         parts.append("--no-target-graph-rounds")
+    if args.prefill_graphs:
+        parts.append("--prefill-graphs")
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]
@@ -597,6 +609,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         overlap_draft_device=args.overlap_draft_device,
         sync_timing=args.sync_timing,
         target_graph_rounds=args.target_graph_rounds,
+        prefill_graphs=args.prefill_graphs,
     )
     try:
         opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)

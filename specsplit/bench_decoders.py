@@ -364,10 +364,12 @@ def _grpc_decoder(
     target_graph_rounds: bool = True,
     streams: bool = True,
     tree_ipc: bool = True,
+    prefill_graphs: bool = False,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
     decoder is unavailable."""
+    prefill_graphs = prefill_graphs and graphs  # the padded prefills are part of the graph path
     what = _tree_words(tree)
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
     what += "" if streams else ", unary calls"
@@ -388,6 +390,7 @@ def _grpc_decoder(
 
     if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
         extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])
+        extra += ["--prefill-graphs"] if prefill_graphs else []
         workers = [WorkerProcess("draft", m.draft_name, device=draft_device, dtype=m.dtype, args=extra)]
         try:
             workers[0].start()
@@ -417,9 +420,17 @@ def _grpc_decoder(
         return _specsplit_decoder(name, plabel, m, pgen, close_processes, graphs or compile)
 
     draft = m.overlap_draft if overlap and m.overlap_draft is not None else m.draft
-    d_engine = DraftEngine(draft, DraftConfig(cuda_graphs=graphs, compile=compile))
+    d_engine = DraftEngine(
+        draft, DraftConfig(cuda_graphs=graphs, compile=compile, prefill_graphs=prefill_graphs)
+    )
     t_engine = TargetEngine(
-        m.target, TargetConfig(cuda_graphs=graphs, compile=compile, graph_rounds=target_graph_rounds)
+        m.target,
+        TargetConfig(
+            cuda_graphs=graphs,
+            compile=compile,
+            graph_rounds=target_graph_rounds,
+            prefill_graphs=prefill_graphs,
+        ),
     )
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
     t_srv = serve_target(
@@ -454,6 +465,7 @@ def build_decoders(
     grpc_processes: bool = True,
     dynamic_tree: tuple[int, int, int, int] | None = None,
     target_graph_rounds: bool = True,
+    prefill_graphs: bool = False,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -471,6 +483,8 @@ def build_decoders(
         target_graph_rounds: every SpecSplit target verifies a greedy round in one CUDA graph
             (``TargetConfig.graph_rounds``, the default; False gives every target, local or a gRPC
             worker (``--no-graph-rounds``), the forward alone in a graph, for the A/B).
+        prefill_graphs: every SpecSplit engine, local or a gRPC worker, pads its prompts to
+            buckets replayed from CUDA graphs (``DraftConfig/TargetConfig.prefill_graphs``).
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.
@@ -569,7 +583,8 @@ def build_decoders(
                                     target_loop="-targetloop" in base,
                                     target_graph_rounds=target_graph_rounds,
                                     streams=not base.endswith("-unary"),
-                                    tree_ipc=not base.endswith("-noipc"))  # fmt: skip
+                                    tree_ipc=not base.endswith("-noipc"),
+                                    prefill_graphs=prefill_graphs)  # fmt: skip
                 if isinstance(dec, str):
                     logger.warning("skipping %s: %s", name, dec)
                     skipped[name] = dec
@@ -585,9 +600,17 @@ def build_decoders(
                     tree=copy.deepcopy(trees.get(base, trees["specsplit-chain"])),
                     sync_timing=sync,
                     draft=DraftConfig(
-                        cuda_graphs=graphs, compile=fuse, graph_rounds=not base.endswith("-levels")
+                        cuda_graphs=graphs,
+                        compile=fuse,
+                        graph_rounds=not base.endswith("-levels"),
+                        prefill_graphs=prefill_graphs and graphs,
                     ),
-                    target=TargetConfig(cuda_graphs=graphs, compile=fuse, graph_rounds=target_graph_rounds),
+                    target=TargetConfig(
+                        cuda_graphs=graphs,
+                        compile=fuse,
+                        graph_rounds=target_graph_rounds,
+                        prefill_graphs=prefill_graphs and graphs,
+                    ),
                     overlap=name.startswith("specsplit-overlap"),
                 )
                 gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)

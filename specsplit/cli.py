@@ -41,6 +41,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --cuda-graphs: fuse those steps with torch.compile first (slow first rounds)",
     )
+    p.add_argument(
+        "--prefill-graphs",
+        action="store_true",
+        help="with --cuda-graphs: pad prompts to buckets replayed from CUDA graphs (off by default)",
+    )
     add_model_kernel_flags(p)
     p.add_argument(
         "--overlap",
@@ -91,6 +96,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg.tree.num_draft_tokens = args.num_draft_tokens
     if args.compile and not args.cuda_graphs:
         raise ConfigError("--compile fuses the CUDA-graph steps: add --cuda-graphs")
+    if args.prefill_graphs and not args.cuda_graphs:
+        raise ConfigError("--prefill-graphs pads prompts for the CUDA-graph path: add --cuda-graphs")
     for attr in ("draft", "target"):
         sec = getattr(cfg, attr)
         dev = getattr(args, f"{attr}_device") or args.device
@@ -102,6 +109,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sec.cuda_graphs = True
         if args.compile:
             sec.compile = True
+        if args.prefill_graphs:
+            sec.prefill_graphs = True
         if args.no_fold_gqa:
             sec.fold_gqa = False
         if args.fuse_projections:

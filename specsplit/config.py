@@ -152,6 +152,14 @@ class DraftConfig:
             round by 6% and of a target step by 7%, ``benchmarks/results/tree_sweep-h100-*``);
             ``"sdpa"``: transformers' SDPA below 2,048 cached tokens, the folded kernels above;
             ``"auto"`` (default): ``"math"`` with ``cuda_graphs``, else ``"sdpa"``.
+        prefill_graphs: with ``cuda_graphs``, a prompt's forward (any ingest longer than a
+            round's) runs over the static workspace padded to a bucket of 64, 128, 192, 256, 384,
+            ... 8192 tokens (:data:`specsplit.graphs.PREFILL_BUCKETS`) and replays one CUDA graph
+            per bucket, captured on first use with the plain (never ``torch.compile``-d) step.
+            Eager PyTorch spends tens of microseconds of host time per op on such a forward, so
+            at batch 1 the host, not the GPU, sets a prompt's cost. Exact (tests compare it with
+            the eager path). Prompts that do not fit the workspace's free slots run eagerly.
+            Off by default: not yet measured on a GPU.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
     """
 
@@ -168,6 +176,7 @@ class DraftConfig:
     fuse_projections: bool = False
     fold_gqa: bool = True
     attention_kernel: str = "auto"
+    prefill_graphs: bool = False
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
@@ -178,6 +187,7 @@ class DraftConfig:
         if self.q_top_k < 1:
             raise ConfigError(f"draft.q_top_k must be >= 1, got {self.q_top_k}")
         _check_sessions(self.max_sessions, self.session_ttl_s, "draft")
+        _check_prefill_graphs(self.prefill_graphs, self.cuda_graphs, "draft")
 
 
 @dataclass
@@ -193,8 +203,9 @@ class TargetConfig:
         max_tree_nodes / max_tree_depth: largest tree a request may carry.
         max_context: largest prompt + generation a session may grow to.
         stateless: keep no KV between requests (every request must carry the full context).
-        cuda_graphs / graph_capacity / compile / fuse_projections / fold_gqa / attention_kernel: as for
-            :class:`DraftConfig` (the verify step of a fixed tree).
+        cuda_graphs / graph_capacity / compile / fuse_projections / fold_gqa / attention_kernel /
+            prefill_graphs: as for :class:`DraftConfig` (the verify step of a fixed tree; a
+            prompt's first verification, prompt and tree in one padded forward).
         graph_rounds: with ``cuda_graphs``, a greedy round's whole verification (tree mask and
             positions, the forward, acceptance and the KV commit of the accepted path) replays as
             ONE graph per tree size and KV bucket, instead of the forward alone with eager ops
@@ -226,6 +237,7 @@ class TargetConfig:
     fuse_projections: bool = False
     fold_gqa: bool = True
     attention_kernel: str = "auto"
+    prefill_graphs: bool = False
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
 
     def __post_init__(self) -> None:
@@ -237,6 +249,7 @@ class TargetConfig:
         if self.max_context < 2:
             raise ConfigError(f"target.max_context must be >= 2, got {self.max_context}")
         _check_sessions(self.max_sessions, self.session_ttl_s, "target")
+        _check_prefill_graphs(self.prefill_graphs, self.cuda_graphs, "target")
 
 
 @dataclass
@@ -416,6 +429,13 @@ _ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
 def _check_dtype(dtype: str, section: str) -> None:
     if dtype not in _DTYPES:
         raise ConfigError(f"{section}.dtype must be one of {_DTYPES}, got {dtype!r}")
+
+
+def _check_prefill_graphs(prefill_graphs: bool, cuda_graphs: bool, section: str) -> None:
+    if prefill_graphs and not cuda_graphs:
+        raise ConfigError(
+            f"{section}.prefill_graphs pads prompts for the CUDA-graph path: set {section}.cuda_graphs"
+        )
 
 
 def resolved_attention_kernel(kernel: str, cuda_graphs: bool) -> str:

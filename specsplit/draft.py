@@ -314,6 +314,15 @@ class DraftEngine:
             out = self._workspace.static.run(ids, steps + length, length, blocks[len(todo)])
             logits = out[len(todo) - 1].clone()  # [V]; the graph's buffer is reused
             cache.set_length(length + len(todo))
+        elif (
+            state.static
+            and self.config.prefill_graphs
+            and length + len(todo) + req.tree.draft_slots <= cache.capacity
+            and (padded := self._workspace.static.run_prefill(torch.tensor(todo, dtype=torch.long), length))
+            is not None
+        ):  # a prompt: padded to a bucket, replayed from that bucket's graph
+            logits = padded[0].clone()  # [V]
+            cache.set_length(length + len(todo))
         else:
             cache.ensure_capacity(max(capacity, length + len(todo) + req.tree.draft_slots + 8))
             ids = torch.tensor([todo], dtype=torch.long)

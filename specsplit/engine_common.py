@@ -146,7 +146,7 @@ class ModelRunner:
         position_ids: torch.Tensor,
         mask: torch.Tensor,
         cache: StaticKVCache,
-        logits_to_keep: int,
+        logits_to_keep: int | torch.Tensor,
         **attention_kwargs: Any,
     ) -> torch.Tensor:
         """One cached forward.
@@ -156,12 +156,13 @@ class ModelRunner:
             position_ids: `[1, q]` int64 absolute positions.
             mask: `[1, 1, q, cache.seq_len + q]` additive float mask (model dtype).
             cache: the session cache (appended to).
-            logits_to_keep: how many trailing rows of logits to compute.
+            logits_to_keep: how many trailing rows of logits to compute, or a `[k]` int64 tensor
+                of the rows.
             **attention_kwargs: passed through the model to its attention function (e.g. the
                 SpecPV query recorder, see :mod:`specsplit.partial_kv`).
 
         Returns:
-            `[logits_to_keep, vocab]` logits (on the output device).
+            `[logits_to_keep, vocab]` (or `[k, vocab]`) logits (on the output device).
         """
         model = self.require()
         dev = self.input_device

@@ -32,10 +32,13 @@ import torch
 
 from specsplit.engine_common import ModelRunner, h2d
 from specsplit.kv_cache import StaticKVCache
+from specsplit.tree_attention import ancestor_matrix
 
 logger = logging.getLogger(__name__)
 
 MIN_BUCKET = 256  # smallest key length a static forward attends over
+# Token counts a prompt's padded first forward is rounded up to (one graph each, captured on first use).
+PREFILL_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
 
 def kv_bucket(end: int, capacity: int) -> int:
@@ -46,14 +49,20 @@ def kv_bucket(end: int, capacity: int) -> int:
     return min(b, capacity)
 
 
+def prefill_bucket(q: int) -> int | None:
+    """The padded size of a ``q``-token prefill (:data:`PREFILL_BUCKETS`), or None when too long."""
+    return next((b for b in PREFILL_BUCKETS if b >= q), None)
+
+
 @dataclass
 class _Buffers:
     ids: torch.Tensor  # [1, q]
     pos: torch.Tensor  # [1, q]
     mask: torch.Tensor  # [1, 1, q, capacity]
     wpos: torch.Tensor  # [q]
-    logits: torch.Tensor | None = None  # [q, V] (graph output)
+    logits: torch.Tensor | None = None  # [q, V] (graph output); [len(keep), V] with keep
     graph: torch.cuda.CUDAGraph | None = None
+    keep: torch.Tensor | None = None  # [k] rows whose logits a padded prefill computes
 
 
 class StaticForward:
@@ -78,6 +87,7 @@ class StaticForward:
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.cache.allocate(1, kv_heads, head_dim, runner.dtype, self.device)
         self._bufs: dict[tuple[int, int], _Buffers] = {}
+        self._prefill_bufs: dict[tuple[int, int, int], _Buffers] = {}
         self._arange = torch.arange(capacity, device=self.device)
         self._pool = None
         if self.use_graphs:
@@ -113,6 +123,8 @@ class StaticForward:
     def _forward(self, b: _Buffers) -> torch.Tensor:
         self.cache.set_write_positions(b.wpos, b.mask.shape[-1])
         try:
+            if b.keep is not None:  # a padded prefill: never compiled (a recompile per bucket)
+                return self.runner.forward(b.ids, b.pos, b.mask, self.cache, logits_to_keep=b.keep)
             if self._step is not None:
                 self.runner.forward_count += 1
                 out: torch.Tensor = self._step(b.ids, b.pos, b.mask)
@@ -225,6 +237,67 @@ class StaticForward:
         else:
             out = self._forward(b)
         self.cache.set_length(end)
+        return out
+
+    @torch.inference_mode()
+    def run_prefill(
+        self, ids: torch.Tensor, ctx: int, parents: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """A many-token forward (a prompt, or a prompt followed by a tree) padded to a bucket.
+
+        Eager PyTorch runs a prompt's forward at a few tens of microseconds of host time per op;
+        at batch 1 that, not the GPU, sets its cost. Padded to :func:`prefill_bucket` tokens it
+        replays one CUDA graph per bucket instead. Exact: padding rows see only the prompt and
+        themselves and write slots past the valid length (the next forward overwrites them), and
+        logits are computed for the kept rows only.
+
+        Args:
+            ids: `[q]` int64 tokens (host or device): ``p`` committed tokens (causal), then a
+                tree's ``n`` nodes.
+            ctx: committed context length (every row attends to slots ``[0, ctx)``).
+            parents: `[n]` int64 tree parents (-1: below the last committed token), or None.
+
+        Returns:
+            `[n + 1, vocab]` logits of the last committed token and of each tree node (a static
+            buffer, as for :meth:`run`); None when no bucket fits (the caller runs eagerly). The
+            cache length is left at ``ctx + bucket``: the caller sets the committed length.
+        """
+        n = 0 if parents is None else int(parents.shape[0])
+        q = int(ids.shape[0])
+        p = q - n
+        size = prefill_bucket(q)
+        if p < 1 or size is None or ctx + size > self.capacity:
+            return None
+        key = (size, kv_bucket(ctx + size, self.capacity), n + 1)
+        b = self._prefill_bufs.get(key)
+        if b is None:
+            b = self._prefill_bufs[key] = self._buffers(size, key[1], shared=False)
+            b.keep = torch.zeros(n + 1, dtype=torch.long, device=self.device)
+        if self.use_graphs and b.graph is None:
+            self._capture(b)
+        dev = self.device
+        ar = self._arange[:size]
+        # Causal over the committed tokens: tree and padding rows see all of them (and a padding
+        # row nothing else: finite values in slots nothing reads).
+        block = (ar[None, :] <= ar[:, None]) & (ar[None, :] < p)
+        pos = ar.clone()
+        if n:
+            anc = ancestor_matrix(h2d(parents, dev))  # type: ignore[arg-type]
+            block[p:q, p:q] = anc
+            pos[p:q] = anc.sum(-1) + (p - 1)
+        self._ctx.fill_(ctx)
+        padded = torch.cat([h2d(ids, dev), ar.new_zeros(size - q)])
+        torch.add(ar[: n + 1], p - 1, out=b.keep)
+        self.fill(b, padded, pos + self._ctx, self._ctx, block)
+        if b.graph is not None:
+            with torch.cuda.device(dev):
+                b.graph.replay()
+            self.runner.forward_count += 1
+            assert b.logits is not None
+            out = b.logits
+        else:
+            out = self._forward(b)
+        self.cache.set_length(ctx + size)
         return out
 
 

@@ -303,6 +303,12 @@ class TargetEngine:
             elif state.static and p == 1:  # steady state: fixed shape, replayed from a CUDA graph
                 pos, block = _one_pending_layout(tree.parents, tree.depths, length)
                 logits = self._workspace.static.run(ids, pos, length, block)  # [N + 1, V]
+            elif (
+                state.static
+                and self.config.prefill_graphs
+                and (padded := self._workspace.static.run_prefill(ids, length, tree.parents)) is not None
+            ):  # a prompt: padded to a bucket, replayed from that bucket's graph
+                logits = padded
             else:
                 mask, pos2d = build_verify_attention(tree.parents, length, p, self.runner.dtype)
                 logits = self.runner.forward(ids[None], pos2d, mask, cache, logits_to_keep=n + 1)

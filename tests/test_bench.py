@@ -225,6 +225,45 @@ def test_smoke_with_cuda_graphs_flag_stays_exact(tmp_path: Path) -> None:
     assert result["summary"]["specsplit-chain"]["overall"]["tau"] > 1.2
 
 
+def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> None:
+    """``--prefill-graphs`` reaches local engines and in-process gRPC workers, is recorded, keeps the
+    tokens, and leaves decoders without CUDA graphs alone (it is part of the graph path)."""
+    from specsplit.bench_decoders import build_decoders, load_models
+
+    m = load_models(tiny=True, device="cpu")
+    decs, _ = build_decoders(
+        m, ["specsplit-dynamic", "specsplit-chain"], k=4, cuda_graphs=True, prefill_graphs=True
+    )
+    try:
+        assert all(d.config.draft.prefill_graphs and d.config.target.prefill_graphs for d in decs)
+    finally:
+        for d in decs:
+            d.close()
+    decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=False, prefill_graphs=True)
+    try:
+        assert not decs[0].config.target.prefill_graphs
+    finally:
+        decs[0].close()
+    argv = [
+        "bench",
+        "--suite",
+        "smoke",
+        "--device",
+        "cpu",
+        "--cuda-graphs",
+        "--prefill-graphs",
+        "--repeats",
+        "1",
+    ]
+    decoders = "hf-target,specsplit-target-only,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
+    assert main([*argv, "--decoders", decoders, "--tag", "prefill", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-smoke-prefill.json")
+    result = json.loads(path.read_text())
+    assert result["config"]["prefill_graphs"] is True and "--prefill-graphs" in result["command"]
+    for name, entry in result["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, name
+
+
 def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> None:
     """``--target-graph-rounds`` (the default) reaches local targets; ``--no-target-graph-rounds`` turns it
     off everywhere (same tokens) and is recorded."""

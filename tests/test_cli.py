@@ -70,10 +70,25 @@ def test_generate_cli_static_path_and_overlap(model_dirs, llama_target, capsys, 
     assert out["stats"]["spec_rounds"] >= 1  # the overlapped pipeline ran (adaptive: probes speculate)
 
 
-def test_generate_cli_compile_needs_cuda_graphs(model_dirs, capsys):
+@pytest.mark.parametrize("flag", ["--compile", "--prefill-graphs"])
+def test_generate_cli_graph_options_need_cuda_graphs(model_dirs, capsys, flag):
     rc = main([
         "generate", "xaa", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
-        "--raw", "--compile",
+        "--raw", flag,
     ])  # fmt: skip
     assert rc == 2
     assert "--cuda-graphs" in capsys.readouterr().err
+
+
+def test_generate_cli_prefill_graphs(model_dirs, llama_target, capsys):
+    """--prefill-graphs (padded prompt forwards; eager on CPU) keeps HF's output."""
+    prompt_ids = [(7 * i) % 200 + 4 for i in range(40)]  # longer than a round's padded ingest
+    rc = main([
+        "generate", " ".join(word(i) for i in prompt_ids), "--target", str(model_dirs / "target"),
+        "--draft", str(model_dirs / "draft"), "--raw", "--max-new-tokens", "16", "--json", "--device", "cpu",
+        "--cuda-graphs", "--prefill-graphs",
+    ])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = llama_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, 40:]
+    assert out["text"] == word_tokenizer().decode(ref.tolist(), skip_special_tokens=True)

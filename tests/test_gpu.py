@@ -110,6 +110,37 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, ke
         assert all(r.graph is not None for r in gen.target_engine._rounds.values())
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["plain", "compiled-steps"])
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_prefill_graphs_exact(llama_target, llama_draft_random, shape, compile):
+    """Padded prompt forwards replay one CUDA graph per bucket (``prefill_graphs``) and decoding
+    stays equal to HF greedy decoding (float32), across prompt lengths of three buckets, also when
+    the round steps are compiled (the prefill graphs are not) and under the overlapped pipeline."""
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    common = dict(
+        dtype="float32", cuda_graphs=True, graph_capacity=1024, compile=compile, prefill_graphs=True
+    )
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape=shape),
+        overlap=shape == "dynamic",  # captures in the verify thread while the draft speculates
+        draft=DraftConfig(device=ddev, **common),  # type: ignore[arg-type]
+        target=TargetConfig(device=tdev, **common),  # type: ignore[arg-type]
+    )
+    gen_ = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (1, n), generator=gen_) for n in (20, 100, 300, 90)]
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        for ids in prompts:
+            ref = target.generate(ids.to(tdev), max_new_tokens=40, do_sample=False).cpu()
+            assert torch.equal(gen.generate(ids, max_new_tokens=40), ref)
+        for engine in (gen.target_engine, gen.draft_engine):
+            captured = {k for k, b in engine._workspace.static._prefill_bufs.items() if b.graph is not None}
+            assert {k[0] for k in captured} >= {128, 384}  # prompts 100 and 90 share one graph
+
+
 @pytest.mark.parametrize("rounds", [True, False], ids=["round-graph", "forward-graph"])
 def test_target_only_cuda_graphs_exact(llama_target, rounds):
     """Target-only decoding (no draft: an empty tree every round) replays its greedy round from one

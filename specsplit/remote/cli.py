@@ -58,6 +58,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="with --cuda-graphs, capture a whole round in one graph: the draft's tree growth (default on) "
         "or the target's greedy verification (both default on; --no-graph-rounds: one graph per forward)",
     )
+    p.add_argument(
+        "--prefill-graphs",
+        action="store_true",
+        help="with --cuda-graphs, run a prompt's forward padded to a bucket, replayed from one CUDA graph per "
+        "bucket (prefill_graphs; off by default)",
+    )
     add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
@@ -156,6 +162,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "fold_gqa": not args.no_fold_gqa,
         "fuse_projections": args.fuse_projections,
+        "prefill_graphs": args.prefill_graphs,
     }
     if args.attention_kernel:
         common["attention_kernel"] = args.attention_kernel
