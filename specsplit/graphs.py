@@ -228,6 +228,10 @@ class StaticForward:
             self._capture(b)
         self._ctx.fill_(ctx)
         self.fill(b, h2d(ids, self.device), h2d(pos, self.device), self._ctx, h2d(block, self.device))
+        return self._replay(b, end)
+
+    def _replay(self, b: _Buffers, end: int) -> torch.Tensor:
+        """Run the filled buffers ``b`` (their graph, or eagerly) and leave the cache at ``end``."""
         if b.graph is not None:
             with torch.cuda.device(self.device):
                 b.graph.replay()
@@ -289,16 +293,7 @@ class StaticForward:
         padded = torch.cat([h2d(ids, dev), ar.new_zeros(size - q)])
         torch.add(ar[: n + 1], p - 1, out=b.keep)
         self.fill(b, padded, pos + self._ctx, self._ctx, block)
-        if b.graph is not None:
-            with torch.cuda.device(dev):
-                b.graph.replay()
-            self.runner.forward_count += 1
-            assert b.logits is not None
-            out = b.logits
-        else:
-            out = self._forward(b)
-        self.cache.set_length(ctx + size)
-        return out
+        return self._replay(b, ctx + size)
 
 
 class GraphedRound:

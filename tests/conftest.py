@@ -86,6 +86,23 @@ def outcome_reads(monkeypatch):
     return reads
 
 
+def assert_same_sampling(target: Any, draft: Any, ids: torch.Tensor, configs: list[Any], seed: int,
+                         max_new_tokens: int) -> None:  # fmt: skip
+    """Seeded sampling (temperature 0.8, top-p 0.9) gives the same tokens and accepted counts under
+    every config (e.g. two engine paths that must be the same computation)."""
+    from specsplit import SpecSplitGenerator
+
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_p=0.9,
+              return_dict_in_generate=True)  # fmt: skip
+    outs = []
+    for cfg in configs:
+        with SpecSplitGenerator(target, draft, config=cfg) as gen:
+            outs.append(gen.generate(ids, generator=torch.Generator().manual_seed(seed), **kw))
+    for out in outs[1:]:
+        assert torch.equal(outs[0].sequences, out.sequences)
+        assert outs[0].spec_stats.accepted_counts() == out.spec_stats.accepted_counts()
+
+
 def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
     """Scale the LM head so the random model has peaked (less tie-prone) next-token distributions."""
     with torch.no_grad():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_sampling
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
@@ -111,15 +112,10 @@ def test_off_by_default(llama_target, llama_draft_random, prefills):
     assert prefills == []
 
 
-def test_sampling_matches_the_eager_prefill(qwen_target, qwen_draft_random):
-    ids = _prompt(80, seed=2)
-    kw = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9, return_dict_in_generate=True)
-    outs = []
-    for prefill in (False, True):
-        with SpecSplitGenerator(qwen_target, qwen_draft_random, config=_cfg("static", prefill)) as gen:
-            outs.append(gen.generate(ids, generator=torch.Generator().manual_seed(5), **kw))
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert outs[0].spec_stats.accepted_counts() == outs[1].spec_stats.accepted_counts()
+def test_sampling_matches_the_eager_prefill(qwen_target, qwen_draft_random, prefills):
+    cfgs = [_cfg("static", prefill) for prefill in (False, True)]
+    assert_same_sampling(qwen_target, qwen_draft_random, _prompt(80, seed=2), cfgs, seed=5, max_new_tokens=24)
+    assert len(prefills) == 2 and all(bucket == 128 for _, bucket in prefills)  # draft and target, padded
 
 
 def test_prompt_longer_than_a_free_bucket_runs_eagerly(llama_target, llama_draft_random, prefills):

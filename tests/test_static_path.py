@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_sampling
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
@@ -50,14 +51,10 @@ def test_static_path_greedy_exact(llama_target, llama_draft_random, shape, draft
 
 
 def test_static_path_matches_eager_under_sampling(qwen_target, qwen_draft_random):
-    ids = torch.tensor([PROMPT])
-    kw = dict(max_new_tokens=30, do_sample=True, temperature=0.8, top_p=0.9, return_dict_in_generate=True)
-    outs = []
-    for graphs in (False, True):
-        with SpecSplitGenerator(qwen_target, qwen_draft_random, config=_cfg("static", graphs)) as gen:
-            outs.append(gen.generate(ids, generator=torch.Generator().manual_seed(3), **kw))
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert outs[0].spec_stats.accepted_counts() == outs[1].spec_stats.accepted_counts()
+    cfgs = [_cfg("static", graphs) for graphs in (False, True)]
+    assert_same_sampling(
+        qwen_target, qwen_draft_random, torch.tensor([PROMPT]), cfgs, seed=3, max_new_tokens=30
+    )
 
 
 def test_sessions_beyond_the_workspace_fall_back_to_eager(llama_target):
