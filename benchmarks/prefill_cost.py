@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def use(route: str) -> None:
         attention.AVOID_CUDNN = route != "cudnn-allowed"
         draft.config.prefill_graphs = target.config.prefill_graphs = route == "prefill-graphs"
+
     draft.load_model()
     target.load_model()
 

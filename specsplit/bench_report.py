@@ -158,6 +158,7 @@ def scope_metrics(
         ),
         "time_split_ms_per_round": split,
         "overlap_hit_rate": _hit_rate(recs),
+        "overlap_spec_rounds": sum((x.split_s or {}).get("spec_rounds", 0.0) for x in recs),
     }
 
 
@@ -320,8 +321,15 @@ def to_markdown(result: dict[str, Any]) -> str:
         m = summary[d]["overall"]
         if m.get("overlap_hit_rate") is not None:
             spec = (m["time_split_ms_per_round"] or {}).get("overlap_draft")
+            tried = m.get("overlap_spec_rounds")  # absent from results written before it was recorded
+            where = (
+                f"ran in {tried:.0f} of {m['rounds']} rounds and "
+                if tried is not None and m.get("rounds")
+                else ""
+            )
             lines.append(
-                f"\n`{d}`: speculative next-round draft held in {m['overlap_hit_rate']:.0%} of rounds"
+                f"\n`{d}`: a speculative next-round draft {where}held in {m['overlap_hit_rate']:.0%} of "
+                + ("those" if where else "rounds")
                 + (f"; it ran {spec:.1f} ms per round beside verification" if spec is not None else "")
                 + " (the draft column is the blocking draft of the rounds where it did not hold)."
             )

@@ -112,6 +112,9 @@ def test_smoke_speculative_decoders_draft_and_accept(smoke: tuple[dict, Path]) -
     assert split["overlap_draft"] == 0.0 and summary["specsplit-chain"]["overall"]["overlap_hit_rate"] is None
     ovl = summary["specsplit-overlap-chain"]["overall"]
     assert ovl["time_split_ms_per_round"]["overlap_draft"] > 0 and 0.0 <= ovl["overlap_hit_rate"] <= 1.0
+    assert 0 < ovl["overlap_spec_rounds"] <= ovl["rounds"]  # the policy's probes at least
+    line = f"a speculative next-round draft ran in {ovl['overlap_spec_rounds']:.0f} of {ovl['rounds']} rounds"
+    assert line in Path(result["files"]["md"]).read_text()
     assert summary["hf-target"]["overall"]["time_split_ms_per_round"] is None
     assert summary["hf-target"]["overall"]["speedup_vs_hf_target"]["median"] == pytest.approx(1.0)
 
