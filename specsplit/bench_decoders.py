@@ -60,6 +60,8 @@ DECODERS = (
 # ``-targetloop-dynamic-noipc``: the target loop with every tree in the draft worker's reply (the A/B
 # of tree slots, ``specsplit serve target --no-tree-ipc``; with slots on, the default, a co-located
 # target worker reads greedy trees from the draft worker's GPU memory).
+# ``-prefill``: target-only / dynamic tree with their prompts padded to buckets replayed from CUDA
+# graphs (``prefill_graphs``) whatever ``--prefill-graphs`` says: that A/B side by side in one run.
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
@@ -75,7 +77,12 @@ OPTIONAL_DECODERS = (
     "specsplit-grpc-dynamic-unary",
     "specsplit-grpc-targetloop-dynamic-unary",
     "specsplit-grpc-targetloop-dynamic-noipc",
+    "specsplit-target-only-prefill",
+    "specsplit-dynamic-prefill",
+    "specsplit-target-only-prefill-compiled",
+    "specsplit-dynamic-prefill-compiled",
 )
+PREFILL_SUFFIX = "-prefill"
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
 BASELINE, ASSISTED = "hf-target", "hf-assisted"
@@ -548,6 +555,10 @@ def build_decoders(
     labels["specsplit-grpc-targetloop-dynamic-noipc"] = (
         f"{labels['specsplit-grpc-targetloop-dynamic']}, trees in the draft worker's replies (no tree slots)"
     )
+    for name in ("specsplit-target-only", "specsplit-dynamic"):
+        labels[name + PREFILL_SUFFIX] = (
+            f"{labels[name]}, prompts padded to CUDA-graph buckets (prefill_graphs)"
+        )
     for name in (
         n for n in OPTIONAL_DECODERS if n.endswith(COMPILED_SUFFIX)
     ):  # these always fuse their graphs
@@ -565,6 +576,8 @@ def build_decoders(
             if name not in names:
                 continue
             base = name.removesuffix(COMPILED_SUFFIX)
+            padded = base.endswith(PREFILL_SUFFIX)  # prefill graphs whatever the flag says
+            base = base.removesuffix(PREFILL_SUFFIX)
             if m.draft is None and base not in ("hf-target", "hf-prompt-lookup", "specsplit-target-only"):
                 skipped[name] = "no draft model"
                 continue
@@ -591,11 +604,17 @@ def build_decoders(
                 else:
                     decoders.append(dec)
             else:
-                fused = base != name  # an OPTIONAL_DECODERS entry: graphs + compile whatever the flags
+                fused = name.endswith(COMPILED_SUFFIX)  # graphs + compile whatever the flags
+                graphs, fuse = cuda_graphs or fused, compile or fused
+                if padded and not graphs:
+                    skipped[name] = (
+                        "prompts padded for CUDA graphs: needs --cuda-graphs (or its -compiled twin)"
+                    )
+                    continue
                 draft = None if base == "specsplit-target-only" else m.draft
                 if base.startswith(("specsplit-overlap", "specsplit-split")) and m.overlap_draft is not None:
                     draft = m.overlap_draft
-                graphs, fuse = cuda_graphs or fused, compile or fused
+                prefill = (prefill_graphs or padded) and graphs
                 cfg = SpecSplitConfig(
                     tree=copy.deepcopy(trees.get(base, trees["specsplit-chain"])),
                     sync_timing=sync,
@@ -603,13 +622,13 @@ def build_decoders(
                         cuda_graphs=graphs,
                         compile=fuse,
                         graph_rounds=not base.endswith("-levels"),
-                        prefill_graphs=prefill_graphs and graphs,
+                        prefill_graphs=prefill,
                     ),
                     target=TargetConfig(
                         cuda_graphs=graphs,
                         compile=fuse,
                         graph_rounds=target_graph_rounds,
-                        prefill_graphs=prefill_graphs and graphs,
+                        prefill_graphs=prefill,
                     ),
                     overlap=name.startswith("specsplit-overlap"),
                 )

@@ -247,6 +247,24 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
         assert not decs[0].config.target.prefill_graphs
     finally:
         decs[0].close()
+    # The -prefill decoders: the A/B side by side in one run, whatever the flag says.
+    ab = [
+        "specsplit-target-only",
+        "specsplit-dynamic",
+        "specsplit-target-only-prefill",
+        "specsplit-dynamic-prefill",
+    ]
+    decs, skipped = build_decoders(m, ab, k=4, cuda_graphs=True)
+    try:
+        assert [d.name for d in decs] == ab and not skipped
+        on = {d.name: (d.config.draft.prefill_graphs, d.config.target.prefill_graphs) for d in decs}
+        assert on == {ab[0]: (False, False), ab[1]: (False, False), ab[2]: (True, True), ab[3]: (True, True)}
+        assert decs[3].config.tree == decs[1].config.tree
+    finally:
+        for d in decs:
+            d.close()
+    decs, skipped = build_decoders(m, ["specsplit-dynamic-prefill"], k=4, cuda_graphs=False)
+    assert not decs and "--cuda-graphs" in skipped["specsplit-dynamic-prefill"]
     argv = [
         "bench",
         "--suite",
@@ -260,6 +278,17 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     ]
     decoders = "hf-target,specsplit-target-only,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
     assert main([*argv, "--decoders", decoders, "--tag", "prefill", "--out", str(tmp_path)]) == 0
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--repeats", "1"]
+    decoders = "hf-target,specsplit-dynamic,specsplit-dynamic-prefill"
+    assert main([*argv, "--decoders", decoders, "--tag", "prefill-ab", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-smoke-prefill-ab.json")
+    ab = json.loads(path.read_text())
+    assert (
+        ab["config"]["prefill_graphs"] is False
+        and "prefill_graphs" in ab["decoder_labels"][decoders.split(",")[-1]]
+    )
+    for name, entry in ab["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, name
     (path,) = tmp_path.glob("*-smoke-prefill.json")
     result = json.loads(path.read_text())
     assert result["config"]["prefill_graphs"] is True and "--prefill-graphs" in result["command"]
@@ -307,7 +336,9 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     m = load_models(tiny=True, device="cpu")
     decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], k=4)
     try:
-        assert [d.name for d in decs] == ["specsplit-dynamic", *OPTIONAL_DECODERS] and not skipped
+        plain_prefill = {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need --cuda-graphs
+        built = [n for n in OPTIONAL_DECODERS if n not in plain_prefill]
+        assert [d.name for d in decs] == ["specsplit-dynamic", *built] and set(skipped) == plain_prefill
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
             if not d.name.endswith("-compiled"):  # the plain gRPC A/B pairs: graphs only with --cuda-graphs
@@ -335,6 +366,10 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert not by_name["specsplit-dynamic-levels-compiled"].config.draft.graph_rounds  # the A/B
         assert by_name["specsplit-dynamic-compiled"].config.draft.graph_rounds
         assert by_name["specsplit-overlap-dynamic-compiled"].config.overlap
+        for name, d in by_name.items():  # the prefill A/B: padded prompts only in the -prefill twins
+            assert d.config.transport == "grpc" or d.config.target.prefill_graphs == ("-prefill" in name), (
+                name
+            )
         split = by_name["specsplit-split-dynamic-compiled"]
         assert not split.config.overlap and "sequential, draft on cpu" in split.label
     finally:
