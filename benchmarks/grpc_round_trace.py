@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         "tag": args.tag,
         "device": torch.cuda.get_device_name(args.device)
         if args.device.startswith("cuda")
-        else platform.processor(),
+        else platform.processor() or "cpu",
         "host": platform.node(),
         "torch": torch.__version__,
         "tree": args.dynamic_tree,

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         tag=args.tag,
         device=torch.cuda.get_device_name(args.device)
         if args.device.startswith("cuda")
-        else platform.processor(),
+        else platform.processor() or "cpu",
         torch=torch.__version__,
     )
     name = "prefill_cost" + (f"-{args.tag}" if args.tag else "")

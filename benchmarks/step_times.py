@@ -21,31 +21,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's specsplit
 
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    reps = 10
-    for _ in range(reps):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * a.numel() * a.element_size() * reps / (start.elapsed_time(end) / 1e3)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+from specsplit.roofline import copy_bandwidth, weight_bytes  # noqa: E402
 
 
 def time_ms(fn, reps: int = 50) -> float:
@@ -141,7 +117,7 @@ def main() -> None:
     from specsplit.models import load_model
 
     device = torch.device(args.device)
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth(device, nbytes=2 << 30)
     qs = [int(x) for x in args.qs.split(",")]
     rows = []
     contexts = [int(x) for x in args.context.split(",")]

@@ -49,6 +49,7 @@ from specsplit.bench_report import (
     to_markdown,
     write_plot,
 )
+from specsplit.roofline import copy_bandwidth, weight_read_bound
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +292,23 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         torch.set_num_threads(old_threads)
 
 
+def _weight_read_bound(target: torch.nn.Module, device: str) -> dict[str, Any] | None:
+    """The target's weight-read bound on a CUDA ``device`` (None elsewhere, or if it cannot be measured:
+    a report line is not worth a run)."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        bound = weight_read_bound(target, copy_bandwidth(device))
+    except Exception as e:  # e.g. no room for the copy's buffers beside the models
+        logger.warning("weight-read bound not measured: %s", e)
+        return None
+    logger.info(
+        "weight-read bound of the target: %.2f GB at %.0f GB/s = %.3f ms a token",
+        bound["weight_bytes"] / 1e9, bound["copy_bandwidth_GBps"], bound["bound_ms"],
+    )  # fmt: skip
+    return bound
+
+
 def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[str, Any]:
     load0 = os.getloadavg()
     t_start = time.perf_counter()
@@ -308,6 +326,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
     devices = [models.device, models.draft_device] + (
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
+    bound = _weight_read_bound(models.target, models.device)  # before any graph holds memory
     decoders, skipped = build_decoders(
         models,
         opts.decoders,
@@ -360,6 +379,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "sync_timing": opts.sync_timing,
             "target_graph_rounds": opts.target_graph_rounds,
             "prefill_graphs": opts.prefill_graphs,
+            "weight_read_bound": bound,
             "num_draft_tokens": opts.num_draft_tokens,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "cuda_graphs": opts.cuda_graphs,

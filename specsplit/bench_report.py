@@ -333,6 +333,20 @@ def to_markdown(result: dict[str, Any]) -> str:
                 + (f"; it ran {spec:.1f} ms per round beside verification" if spec is not None else "")
                 + " (the draft column is the blocking draft of the rounds where it did not hold)."
             )
+    bound = cfg.get("weight_read_bound")
+    if bound:
+        of_bound = [
+            f"`{d}` runs at {summary[d]['overall']['tokens_per_s']['median'] / bound['bound_tokens_per_s']:.0%} of it"
+            for d in decs
+            if d.startswith("specsplit-target-only") and summary[d]["overall"]["tokens_per_s"]
+        ]
+        lines.append(
+            f"\nWeight-read bound of the target: {bound['weight_bytes'] / 1e9:.2f} GB at the "
+            f"{bound['copy_bandwidth_GBps']:.0f} GB/s of a device-to-device copy measured at the start of "
+            f"the run = {bound['bound_ms']:.3f} ms a token, {bound['bound_tokens_per_s']:.0f} tokens/s"
+            + ("; " + "; ".join(of_bound) if of_bound else "")
+            + "."
+        )
     lines += ["", "Decoders:", ""]
     lines += [f"- `{d}`: {labels.get(d, '')}" for d in decs]
     cats = [c for c in cfg["categories"] if any(c in summary[d]["by_category"] for d in decs)]

@@ -119,6 +119,26 @@ def test_smoke_speculative_decoders_draft_and_accept(smoke: tuple[dict, Path]) -
     assert summary["hf-target"]["overall"]["speedup_vs_hf_target"]["median"] == pytest.approx(1.0)
 
 
+def test_report_names_the_weight_read_bound(smoke: tuple[dict, Path]) -> None:
+    """On a GPU the run records the target's weight-read bound; the report states it and each
+    target-only decoder's share of it (faked here: CPU runs record none)."""
+    import copy
+
+    from specsplit.bench_report import to_markdown
+
+    smoke_result = smoke[0]
+    assert smoke_result["config"]["weight_read_bound"] is None
+    result = copy.deepcopy(smoke_result)
+    tps = result["summary"]["specsplit-target-only"]["overall"]["tokens_per_s"]["median"]
+    result["config"]["weight_read_bound"] = {
+        "weight_bytes": 3.55e9, "copy_bandwidth_GBps": 4283.0, "bound_ms": 0.829, "bound_tokens_per_s": 4 * tps
+    }  # fmt: skip
+    md = to_markdown(result)
+    assert "Weight-read bound of the target: 3.55 GB at the 4283 GB/s" in md
+    assert "`specsplit-target-only` runs at 25% of it" in md
+    assert "Weight-read bound" not in to_markdown(smoke_result)  # CPU runs: no bound, no line
+
+
 def test_smoke_writes_table_and_plot(smoke: tuple[dict, Path]) -> None:
     result, out = smoke
     md = Path(result["files"]["md"])
