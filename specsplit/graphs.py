@@ -251,8 +251,8 @@ class StaticForward:
 
         Eager PyTorch runs a prompt's forward at a few tens of microseconds of host time per op;
         at batch 1 that, not the GPU, sets its cost. Padded to :func:`prefill_bucket` tokens it
-        replays one CUDA graph per bucket instead. Exact: padding rows see only the prompt and
-        themselves and write slots past the valid length (the next forward overwrites them), and
+        replays one CUDA graph per bucket instead. Exact: padding rows see only the committed
+        tokens and write slots past the valid length (the next forward overwrites them), and
         logits are computed for the kept rows only.
 
         Args:
@@ -285,8 +285,8 @@ class StaticForward:
         # row nothing else: finite values in slots nothing reads).
         block = (ar[None, :] <= ar[:, None]) & (ar[None, :] < p)
         pos = ar.clone()
-        if n:
-            anc = ancestor_matrix(h2d(parents, dev))  # type: ignore[arg-type]
+        if parents is not None and n:
+            anc = ancestor_matrix(h2d(parents, dev))
             block[p:q, p:q] = anc
             pos[p:q] = anc.sum(-1) + (p - 1)
         self._ctx.fill_(ctx)
