@@ -110,8 +110,11 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, ke
         assert all(r.graph is not None for r in gen.target_engine._rounds.values())
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["plain", "compiled-steps"])
-@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+@pytest.mark.parametrize(
+    ("shape", "compile"),
+    [("chain", False), ("dynamic", False), ("dynamic", True)],
+    ids=["chain", "dynamic-overlap", "dynamic-overlap-compiled-steps"],
+)
 def test_prefill_graphs_exact(llama_target, llama_draft_random, shape, compile):
     """Padded prompt forwards replay one CUDA graph per bucket (``prefill_graphs``) and decoding
     stays equal to HF greedy decoding (float32), across prompt lengths of three buckets, also when
