@@ -314,6 +314,12 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     assert result["config"]["prefill_graphs"] is True and "--prefill-graphs" in result["command"]
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
+    # Same code both ways: the gRPC workers' padded prefills give the local rounds and acceptance.
+    local, remote = (
+        result["summary"][d]["overall"] for d in ("specsplit-dynamic", "specsplit-grpc-targetloop-dynamic")
+    )
+    assert local["rounds"] == remote["rounds"] and local["tau"] == remote["tau"]
+    assert local["per_position_acceptance"] == remote["per_position_acceptance"]
 
 
 def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> None:

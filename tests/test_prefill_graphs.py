@@ -95,7 +95,11 @@ def test_generation_is_exact(llama_target, llama_draft_random, shape, length, pr
     ref = llama_target.generate(ids, max_new_tokens=30, do_sample=False)
     with SpecSplitGenerator(llama_target, llama_draft_random, config=_cfg(shape, True)) as gen:
         for _ in range(2):  # the second generation reuses the buckets
-            assert torch.equal(gen.generate(ids, max_new_tokens=30), ref)
+            before = gen.target_engine.forward_count
+            out = gen.generate(ids, max_new_tokens=30, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+            # One target forward a round, the padded first one included (prompt and tree together).
+            assert gen.target_engine.forward_count - before == len(out.spec_stats.rounds)
     layers = [n for n, bucket in prefills if bucket is not None]
     # Every generation's first target round; the draft's prompt too unless a round-sized ingest
     # graph (at most 8 tokens here) takes it.
