@@ -124,7 +124,7 @@ class BenchOptions:
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
     target_graph_rounds: bool = True  # every SpecSplit target verifies a greedy round in one graph
-    prefill_graphs: bool = False  # every SpecSplit engine pads its prompts to graph-replayed buckets
+    prefill_graphs: bool = True  # every SpecSplit engine pads its prompts to graph-replayed buckets
     dynamic_tree: tuple[int, int, int, int] | None = (
         None  # (topk, width, budget, depth) of the dynamic decoders
     )
@@ -490,10 +490,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefill-graphs",
-        action="store_true",
-        help="every SpecSplit engine, local or a gRPC worker (`specsplit serve --prefill-graphs`), runs a "
-        "prompt's forward padded to a bucket and replayed from one CUDA graph per bucket "
-        "(DraftConfig/TargetConfig.prefill_graphs; needs --cuda-graphs or a -compiled decoder)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every SpecSplit engine with CUDA graphs, local or a gRPC worker, runs a prompt's forward "
+        "padded to a bucket and replayed from one CUDA graph per bucket (DraftConfig/TargetConfig."
+        "prefill_graphs, the default; --no-prefill-graphs for the A/B: eager prompt forwards, "
+        "`specsplit serve --no-prefill-graphs`, except the -prefill decoders')",
     )
     p.add_argument(
         "--overlap-draft-device",
@@ -587,8 +589,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts.append("--sync-timing")
     if not args.target_graph_rounds:
         parts.append("--no-target-graph-rounds")
-    if args.prefill_graphs:
-        parts.append("--prefill-graphs")
+    if not args.prefill_graphs:
+        parts.append("--no-prefill-graphs")
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]

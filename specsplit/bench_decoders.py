@@ -61,7 +61,8 @@ DECODERS = (
 # of tree slots, ``specsplit serve target --no-tree-ipc``; with slots on, the default, a co-located
 # target worker reads greedy trees from the draft worker's GPU memory).
 # ``-prefill``: target-only / dynamic tree with their prompts padded to buckets replayed from CUDA
-# graphs (``prefill_graphs``) whatever ``--prefill-graphs`` says: that A/B side by side in one run.
+# graphs (``prefill_graphs``, the default) whatever ``--prefill-graphs`` says: with
+# ``--no-prefill-graphs`` the A/B against eager prompt forwards side by side in one run.
 OPTIONAL_DECODERS = (
     "specsplit-target-only-compiled",
     "specsplit-dynamic-compiled",
@@ -371,7 +372,7 @@ def _grpc_decoder(
     target_graph_rounds: bool = True,
     streams: bool = True,
     tree_ipc: bool = True,
-    prefill_graphs: bool = False,
+    prefill_graphs: bool = True,
 ) -> Decoder | str:
     """The draft and target workers on loopback ports: separate ``specsplit serve`` processes
     (``processes``, real models only) or servers inside this process. A string says why the
@@ -397,7 +398,7 @@ def _grpc_decoder(
 
     if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
         extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])
-        extra += ["--prefill-graphs"] if prefill_graphs else []
+        extra += ["--prefill-graphs"] if prefill_graphs else ["--no-prefill-graphs"] if graphs else []
         workers = [WorkerProcess("draft", m.draft_name, device=draft_device, dtype=m.dtype, args=extra)]
         try:
             workers[0].start()
@@ -472,7 +473,7 @@ def build_decoders(
     grpc_processes: bool = True,
     dynamic_tree: tuple[int, int, int, int] | None = None,
     target_graph_rounds: bool = True,
-    prefill_graphs: bool = False,
+    prefill_graphs: bool = True,
 ) -> tuple[list[Decoder], dict[str, str]]:
     """The selected decoders (in :data:`DECODERS` order) and ``{skipped name: reason}``.
 
@@ -490,8 +491,9 @@ def build_decoders(
         target_graph_rounds: every SpecSplit target verifies a greedy round in one CUDA graph
             (``TargetConfig.graph_rounds``, the default; False gives every target, local or a gRPC
             worker (``--no-graph-rounds``), the forward alone in a graph, for the A/B).
-        prefill_graphs: every SpecSplit engine, local or a gRPC worker, pads its prompts to
-            buckets replayed from CUDA graphs (``DraftConfig/TargetConfig.prefill_graphs``).
+        prefill_graphs: every SpecSplit engine with CUDA graphs, local or a gRPC worker, pads its
+            prompts to buckets replayed from CUDA graphs (``DraftConfig/TargetConfig.prefill_graphs``,
+            the default); False runs their prompt forwards eagerly, except the ``-prefill`` twins'.
         sync_timing: SpecSplit decoders synchronise the draft device after each draft so the
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.
@@ -567,6 +569,17 @@ def build_decoders(
         extra = ", ".join(x for x, on in (("CUDA graphs", cuda_graphs), ("torch.compile", compile)) if on)
         labels = {
             n: (f"{v}, {extra}" if n.startswith("specsplit") and not n.endswith(COMPILED_SUFFIX) else v)
+            for n, v in labels.items()
+        }
+    if not prefill_graphs:  # the A/B: only the -prefill twins pad their prompts
+        labels = {
+            n: (
+                f"{v}, eager prompt forwards"
+                if n.startswith("specsplit")
+                and not n.removesuffix(COMPILED_SUFFIX).endswith(PREFILL_SUFFIX)
+                and (cuda_graphs or n.endswith(COMPILED_SUFFIX))
+                else v
+            )
             for n, v in labels.items()
         }
     decoders: list[Decoder] = []

@@ -43,8 +43,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefill-graphs",
-        action="store_true",
-        help="with --cuda-graphs: pad prompts to buckets replayed from CUDA graphs (off by default)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --cuda-graphs: pad prompts to buckets replayed from CUDA graphs (on by default; "
+        "--no-prefill-graphs: eager prompt forwards)",
     )
     add_model_kernel_flags(p)
     p.add_argument(
@@ -109,8 +111,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sec.cuda_graphs = True
         if args.compile:
             sec.compile = True
-        if args.prefill_graphs:
-            sec.prefill_graphs = True
+        if args.prefill_graphs is not None:
+            sec.prefill_graphs = args.prefill_graphs
         if args.no_fold_gqa:
             sec.fold_gqa = False
         if args.fuse_projections:

@@ -249,22 +249,22 @@ def test_smoke_with_cuda_graphs_flag_stays_exact(tmp_path: Path) -> None:
 
 
 def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> None:
-    """``--prefill-graphs`` reaches local engines and in-process gRPC workers, is recorded, keeps the
-    tokens, and leaves decoders without CUDA graphs alone (it is part of the graph path)."""
+    """``--prefill-graphs`` (the default) reaches local engines and in-process gRPC workers, is
+    recorded, keeps the tokens, and leaves decoders without CUDA graphs alone (it is part of the graph
+    path); ``--no-prefill-graphs`` turns it off except in the ``-prefill`` twins (the A/B)."""
     from specsplit.bench_decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
-    decs, _ = build_decoders(
-        m, ["specsplit-dynamic", "specsplit-chain"], k=4, cuda_graphs=True, prefill_graphs=True
-    )
+    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-chain"], k=4, cuda_graphs=True)
     try:
         assert all(d.config.draft.prefill_graphs and d.config.target.prefill_graphs for d in decs)
+        assert not any("eager prompt" in d.label for d in decs)
     finally:
         for d in decs:
             d.close()
-    decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=False, prefill_graphs=True)
+    decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=False)
     try:
-        assert not decs[0].config.target.prefill_graphs
+        assert not decs[0].config.target.prefill_graphs and not decs[0].config.target.cuda_graphs
     finally:
         decs[0].close()
     # The -prefill decoders: the A/B side by side in one run, whatever the flag says.
@@ -274,44 +274,33 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
         "specsplit-target-only-prefill",
         "specsplit-dynamic-prefill",
     ]
-    decs, skipped = build_decoders(m, ab, k=4, cuda_graphs=True)
+    decs, skipped = build_decoders(m, ab, k=4, cuda_graphs=True, prefill_graphs=False)
     try:
         assert [d.name for d in decs] == ab and not skipped
         on = {d.name: (d.config.draft.prefill_graphs, d.config.target.prefill_graphs) for d in decs}
         assert on == {ab[0]: (False, False), ab[1]: (False, False), ab[2]: (True, True), ab[3]: (True, True)}
+        assert [("eager prompt forwards" in d.label) for d in decs] == [True, True, False, False]
         assert decs[3].config.tree == decs[1].config.tree
     finally:
         for d in decs:
             d.close()
     decs, skipped = build_decoders(m, ["specsplit-dynamic-prefill"], k=4, cuda_graphs=False)
     assert not decs and "--cuda-graphs" in skipped["specsplit-dynamic-prefill"]
-    argv = [
-        "bench",
-        "--suite",
-        "smoke",
-        "--device",
-        "cpu",
-        "--cuda-graphs",
-        "--prefill-graphs",
-        "--repeats",
-        "1",
-    ]
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--repeats", "1"]
     decoders = "hf-target,specsplit-target-only,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
     assert main([*argv, "--decoders", decoders, "--tag", "prefill", "--out", str(tmp_path)]) == 0
-    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--repeats", "1"]
     decoders = "hf-target,specsplit-dynamic,specsplit-dynamic-prefill"
-    assert main([*argv, "--decoders", decoders, "--tag", "prefill-ab", "--out", str(tmp_path)]) == 0
+    argv_ab = [*argv, "--no-prefill-graphs", "--decoders", decoders, "--tag", "prefill-ab"]
+    assert main([*argv_ab, "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*-smoke-prefill-ab.json")
     ab = json.loads(path.read_text())
-    assert (
-        ab["config"]["prefill_graphs"] is False
-        and "prefill_graphs" in ab["decoder_labels"][decoders.split(",")[-1]]
-    )
+    assert ab["config"]["prefill_graphs"] is False and "--no-prefill-graphs" in ab["command"]
+    assert "prefill_graphs" in ab["decoder_labels"][decoders.split(",")[-1]]
     for name, entry in ab["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
     (path,) = tmp_path.glob("*-smoke-prefill.json")
     result = json.loads(path.read_text())
-    assert result["config"]["prefill_graphs"] is True and "--prefill-graphs" in result["command"]
+    assert result["config"]["prefill_graphs"] is True and "prefill-graphs" not in result["command"]
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
     # Same code both ways: the gRPC workers' padded prefills give the local rounds and acceptance.
@@ -360,7 +349,7 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
 
     assert not set(OPTIONAL_DECODERS) & set(DECODERS)  # never in a default run (compiling takes minutes)
     m = load_models(tiny=True, device="cpu")
-    decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], k=4)
+    decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], k=4, prefill_graphs=False)
     try:
         plain_prefill = {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need --cuda-graphs
         built = [n for n in OPTIONAL_DECODERS if n not in plain_prefill]

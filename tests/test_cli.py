@@ -80,13 +80,20 @@ def test_generate_cli_graph_options_need_cuda_graphs(model_dirs, capsys, flag):
     assert "--cuda-graphs" in capsys.readouterr().err
 
 
-def test_generate_cli_prefill_graphs(model_dirs, llama_target, capsys):
-    """--prefill-graphs (padded prompt forwards; eager on CPU) keeps HF's output."""
+def test_serve_prefill_graphs_needs_cuda_graphs(capsys):
+    assert main(["serve", "draft", "--model", "m", "--prefill-graphs"]) == 2
+    assert "--cuda-graphs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prefill-graphs", "--no-prefill-graphs"])
+def test_generate_cli_prefill_graphs(model_dirs, llama_target, capsys, flag):
+    """Padded prompt forwards (the default with --cuda-graphs; replayed eagerly on CPU) and eager ones
+    (--no-prefill-graphs) keep HF's output."""
     prompt_ids = [(7 * i) % 200 + 4 for i in range(40)]  # longer than a round's padded ingest
     rc = main([
         "generate", " ".join(word(i) for i in prompt_ids), "--target", str(model_dirs / "target"),
         "--draft", str(model_dirs / "draft"), "--raw", "--max-new-tokens", "16", "--json", "--device", "cpu",
-        "--cuda-graphs", "--prefill-graphs",
+        "--cuda-graphs", flag,
     ])  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out)

@@ -108,10 +108,25 @@ def test_generation_is_exact(llama_target, llama_draft_random, shape, length, pr
     assert len(layers) == len(prefills)
 
 
-def test_off_by_default(llama_target, llama_draft_random, prefills):
+def test_on_by_default_with_cuda_graphs(llama_target, llama_draft_random, prefills):
+    """On by default wherever the engines have CUDA graphs; ``prefill_graphs=False`` or no graphs:
+    eager prompt forwards (the ``prefills`` spy sees no call)."""
     cfg = SpecSplitConfig(draft=DraftConfig(cuda_graphs=True), target=TargetConfig(cuda_graphs=True))
     with SpecSplitGenerator(llama_target, llama_draft_random, config=cfg) as gen:
         gen.generate(_prompt(100), max_new_tokens=8)
+    assert sorted(bucket for _, bucket in prefills) == [128, 128]  # draft and target, padded
+    prefills.clear()
+    for draft, target in (
+        (
+            DraftConfig(cuda_graphs=True, prefill_graphs=False),
+            TargetConfig(cuda_graphs=True, prefill_graphs=False),
+        ),
+        (DraftConfig(), TargetConfig()),  # no graphs: the flag has nothing to pad
+    ):
+        with SpecSplitGenerator(
+            llama_target, llama_draft_random, config=SpecSplitConfig(draft=draft, target=target)
+        ) as gen:
+            gen.generate(_prompt(100), max_new_tokens=8)
     assert prefills == []
 
 

@@ -489,32 +489,27 @@ def test_serve_engine_options_reach_both_roles() -> None:
     import argparse
 
     from specsplit.config import DraftConfig, TargetConfig
-    from specsplit.errors import ConfigError
     from specsplit.remote.cli import add_cli, engine_options
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command", required=True))
     default = engine_options(parser.parse_args(["serve", "draft", "--model", "m"]))
-    assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True, "fuse_projections": False,
-                       "prefill_graphs": False}  # fmt: skip
+    assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True, "fuse_projections": False}
     opts = engine_options(parser.parse_args([
         "serve", "target", "--model", "m", "--cuda-graphs", "--no-fold-gqa", "--graph-capacity", "4096",
         "--fuse-projections", "--attention-kernel", "math",
     ]))  # fmt: skip
     assert opts == {"cuda_graphs": True, "compile": False, "fold_gqa": False, "fuse_projections": True,
-                    "prefill_graphs": False, "graph_capacity": 4096, "attention_kernel": "math"}  # fmt: skip
+                    "graph_capacity": 4096, "attention_kernel": "math"}  # fmt: skip
     assert not TargetConfig(**opts).fold_gqa and not DraftConfig(**opts).fold_gqa
     assert TargetConfig(**opts).fuse_projections and DraftConfig(**opts).fuse_projections
     assert TargetConfig(**opts).attention_kernel == DraftConfig(**opts).attention_kernel == "math"
     assert "graph_rounds" not in opts  # each role keeps its own default
+    assert DraftConfig(**opts).prefill_graphs and TargetConfig(**opts).prefill_graphs  # the default
     opts = engine_options(
-        parser.parse_args(["serve", "draft", "--model", "m", "--cuda-graphs", "--prefill-graphs"])
+        parser.parse_args(["serve", "draft", "--model", "m", "--cuda-graphs", "--no-prefill-graphs"])
     )
-    assert DraftConfig(**opts).prefill_graphs and TargetConfig(**opts).prefill_graphs
-    with pytest.raises(ConfigError, match="cuda_graphs"):  # the padded prefills are graph-path work
-        DraftConfig(
-            **engine_options(parser.parse_args(["serve", "draft", "--model", "m", "--prefill-graphs"]))
-        )
+    assert not DraftConfig(**opts).prefill_graphs and not TargetConfig(**opts).prefill_graphs
     for flag, value in (("--graph-rounds", True), ("--no-graph-rounds", False)):
         opts = engine_options(parser.parse_args(["serve", "target", "--model", "m", flag]))
         assert TargetConfig(**opts).graph_rounds is value and DraftConfig(**opts).graph_rounds is value

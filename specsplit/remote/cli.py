@@ -60,9 +60,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefill-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="with --cuda-graphs, run a prompt's forward padded to a bucket, replayed from one CUDA graph per "
-        "bucket (prefill_graphs; off by default)",
+        "bucket (prefill_graphs; on by default; --no-prefill-graphs: eager prompt forwards)",
     )
     add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
@@ -162,7 +163,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "fold_gqa": not args.no_fold_gqa,
         "fuse_projections": args.fuse_projections,
-        "prefill_graphs": args.prefill_graphs,
     }
     if args.attention_kernel:
         common["attention_kernel"] = args.attention_kernel
@@ -170,6 +170,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         common["graph_capacity"] = args.graph_capacity
     if args.graph_rounds is not None:
         common["graph_rounds"] = args.graph_rounds
+    if args.prefill_graphs is not None:
+        common["prefill_graphs"] = args.prefill_graphs
     if args.max_sessions is not None:
         common["max_sessions"] = args.max_sessions
     if args.session_ttl is not None:
@@ -184,6 +186,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
+    if args.prefill_graphs and not args.cuda_graphs:
+        raise ConfigError("--prefill-graphs pads prompts for the CUDA-graph path: add --cuda-graphs")
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
     draft_peer: dict[str, Any] = {}
