@@ -13,6 +13,7 @@ from specsplit.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.attention import install as install_attention
 from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
 from specsplit.kv_cache import StaticKVCache
+from specsplit.pinned import pin
 from specsplit.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def h2d(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     dev = torch.device(device)
     if dev.type != "cuda" or t.device.type != "cpu":
         return t.to(dev, non_blocking=True)
-    return t.pin_memory().to(dev, non_blocking=True)
+    return pin(t).to(dev, non_blocking=True)
 
 
 def default_device() -> torch.device:

@@ -32,6 +32,7 @@ import torch
 
 from specsplit.engine_common import ModelRunner, h2d
 from specsplit.kv_cache import StaticKVCache
+from specsplit.pinned import CAPTURE_LOCK, empty_pinned
 from specsplit.tree_attention import ancestor_matrix
 
 logger = logging.getLogger(__name__)
@@ -147,8 +148,9 @@ class StaticForward:
         return out.logits[0]
 
     def _capture(self, b: _Buffers) -> None:
-        # Capture on the model's own device (it need not be the current one).
-        with torch.cuda.device(self.device):
+        # Capture on the model's own device (it need not be the current one). CAPTURE_LOCK: no other
+        # thread allocates pinned memory meanwhile (specsplit.pinned).
+        with CAPTURE_LOCK, torch.cuda.device(self.device):
             self._capture_here(b)
 
     def _capture_here(self, b: _Buffers) -> None:
@@ -334,9 +336,8 @@ class GraphedRound:
             return False
         if self._stage is None:
             # Pinned on first use, not at construction: only callers with host arguments need it, and
-            # pinning memory while another thread captures a graph (the overlapped pipeline builds
-            # its rounds in two threads) invalidates that capture.
-            self._stage = torch.empty(self._packed.numel(), dtype=torch.long, pin_memory=True)
+            # never while another thread captures a graph (specsplit.pinned).
+            self._stage = empty_pinned(self._packed.numel(), torch.long)
             self._stage_np = self._stage.numpy()
         elif self._staged is not None:
             self._staged.synchronize()  # the last call's copy has left the pinned buffer (always, by now)
@@ -361,7 +362,7 @@ class GraphedRound:
         if not self.static.use_graphs:
             return self.fn(*self.inputs)
         if self.graph is None:
-            with torch.cuda.device(self.static.device):
+            with CAPTURE_LOCK, torch.cuda.device(self.static.device):  # see specsplit.pinned
                 self._capture()
         assert self.graph is not None
         with torch.cuda.device(self.static.device):

@@ -14,6 +14,8 @@ import logging
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specsplit.pinned import pin
+
 logger = logging.getLogger(__name__)
 
 GROW_CHUNK = 256  # tokens added per growth step when a session outgrows its estimate
@@ -224,7 +226,7 @@ class StaticKVCache(Cache):
         m = int(keep_indices.shape[0])
         if self._kv is not None:  # one buffer for all layers: gather once, write once
             if m:
-                pinned = keep_indices.pin_memory() if self._kv.device.type == "cuda" else keep_indices
+                pinned = pin(keep_indices) if self._kv.device.type == "cuda" else keep_indices
                 slots = pinned.to(self._kv.device, non_blocking=True)
                 self._kv[:, :, :, :, start : start + m] = self._kv.index_select(4, slots)
             for layer in self._static_layers:
@@ -236,7 +238,7 @@ class StaticKVCache(Cache):
                 assert layer.keys is not None and layer.values is not None
                 idx = on_device.get(layer.keys.device)
                 if idx is None:
-                    src = keep_indices.pin_memory() if layer.keys.device.type == "cuda" else keep_indices
+                    src = pin(keep_indices) if layer.keys.device.type == "cuda" else keep_indices
                     idx = on_device[layer.keys.device] = src.to(layer.keys.device, non_blocking=True)
                 # Gather first: sources and destinations may overlap.
                 k = layer.keys.index_select(2, idx)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specsplit.errors import InvalidRequest
+from specsplit.pinned import pin
 
 # A sensible default static tree (16 nodes, depth 5): wide near the root where the draft is least
 # sure, a single spine further down where only the top path usually survives (Medusa/Sequoia style).
@@ -151,7 +152,7 @@ class TokenTree:
             if t is None:
                 return None
             if dev.type == "cuda" and t.device.type == "cpu":  # pinned: no hidden host sync
-                t = t.pin_memory()
+                t = pin(t)
             return t.to(dev, non_blocking=True)
 
         return TokenTree(

@@ -144,6 +144,49 @@ def test_prefill_graphs_exact(llama_target, llama_draft_random, shape, compile):
             assert {k[0] for k in captured} >= {128, 384}  # prompts 100 and 90 share one graph
 
 
+def test_captures_in_two_threads_at_once(llama_target, llama_draft_random):
+    """The overlapped pipeline can capture in both threads at once (a prompt's bucket in the verify
+    thread, a new KV bucket of the speculative draft in the other). A capture's set-up (a device
+    sync, freeing cached blocks) in one thread invalidates a capture in progress in the other, so
+    captures hold ``specsplit.pinned.CAPTURE_LOCK``: each bucket is captured once and its padded
+    forward equals the same forward without graphs."""
+    import copy
+    import threading
+
+    from specsplit.engine_common import ModelRunner
+    from specsplit.graphs import PREFILL_BUCKETS, StaticForward
+
+    buckets = PREFILL_BUCKETS[:6]
+    ids = torch.randint(3, 256, (buckets[-1],), generator=torch.Generator().manual_seed(3))
+    models = [copy.deepcopy(m).to("cuda:0") for m in (llama_target, llama_draft_random)]
+    runners = [ModelRunner(m, None, None, None, "auto") for m in models]
+    want = [
+        [StaticForward(r, 1024, use_graphs=False).run_prefill(ids[:n], 0).clone() for n in buckets]
+        for r in runners
+    ]
+    statics = [StaticForward(r, 1024, use_graphs=True) for r in runners]
+    got: list[list[torch.Tensor]] = [[], []]
+    errors: list[BaseException] = []
+
+    def prefills(k: int) -> None:
+        try:
+            for n in buckets:  # a new bucket each time: a capture each time
+                got[k].append(statics[k].run_prefill(ids[:n], 0).clone())
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=prefills, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in (0, 1):
+        assert statics[k].captures == len(buckets)
+        for g, w in zip(got[k], want[k], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("rounds", [True, False], ids=["round-graph", "forward-graph"])
 def test_target_only_cuda_graphs_exact(llama_target, rounds):
     """Target-only decoding (no draft: an empty tree every round) replays its greedy round from one
