@@ -29,7 +29,9 @@ differs, which changes tokens a round, not the time of one.
 Experiments (environment of the worker processes): ``SPECSPLIT_TRACE_SWITCH_INTERVAL=S`` sets the
 workers' GIL switch interval; ``SPECSPLIT_TRACE_SPIN_S=S`` keeps the threads that wait between rounds
 spinning instead of sleeping (the target's draft call, and one draft request thread for ``S`` seconds
-after each call).
+after each call); ``SPECSPLIT_TRACE_NO_DEFER=1`` makes the target worker hand each round to its
+client before the next draft call, as before deferred updates (``decode_rounds(defer_updates=...)``).
+With deferred updates (the default) that hand-off lies in "loop between draft and verify".
 """
 
 from __future__ import annotations
@@ -269,6 +271,15 @@ def _hooked_worker(role: str, out: str, argv: list[str]) -> int:
     spin = os.environ.get("SPECSPLIT_TRACE_SPIN_S")
     if spin:
         _install_spin(role, float(spin))
+    if role == "target" and os.environ.get("SPECSPLIT_TRACE_NO_DEFER"):
+        from specsplit.remote import server
+
+        rounds = server.decode_rounds  # each round to the client before the next draft call: the A/B
+
+        def no_defer(*args: Any, **kwargs: Any) -> Any:
+            return rounds(*args, **{**kwargs, "defer_updates": False})
+
+        server.decode_rounds = no_defer
     rec = _Recorder(out)
     (_install_draft if role == "draft" else _install_target)(rec)
     from specsplit.cli import main
@@ -398,13 +409,13 @@ def analyze(target: dict[str, Any], draft: dict[str, Any], lo: int, hi: int) -> 
         seg["draft handler returns -> call returns"].append((ce - he) * ms)
         seg["t: decode the tree"].append((tdec[1] - tdec[0]) * ms)
         seg["t: rest of the draft call"].append((de - ce - (tdec[1] - tdec[0])) * ms)
-        seg["t: loop between draft and verify"].append((vs - de) * ms)
+        seg["t: loop between draft and verify (+ the last round's update, deferred)"].append((vs - de) * ms)
         seg["t: validate the tree"].append(vdur * ms)
         seg["t: verify before the round graph"].append((rnd[0] - vs - vdur) * ms)
         seg["t: round graph launch (host)"].append((sync[0] - rnd[0]) * ms)
         seg["t: wait for the GPU + read the result"].append((sync[1] - sync[0]) * ms)
         seg["t: verify after the read"].append((ve - sync[1]) * ms)
-        seg["t: loop glue to the next draft call (update to client)"].append((after[0] - ve) * ms)
+        seg["t: loop glue to the next draft call (+ the update, not deferred)"].append((after[0] - ve) * ms)
     gpu: dict[str, list[float]] = defaultdict(list)
     for trace in (target, draft):
         for name, v in trace["gpu_ms"]:
@@ -631,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in (
                 "SPECSPLIT_TRACE_SWITCH_INTERVAL",
                 "SPECSPLIT_TRACE_SPIN_S",
+                "SPECSPLIT_TRACE_NO_DEFER",
                 "SPECSPLIT_SDPA_CUDNN",
             )
             if k in os.environ

@@ -231,12 +231,19 @@ def decode_rounds(
     out: list[int],
     stats: SpecStats,
     session_id: str | None = None,
+    defer_updates: bool = False,
 ) -> Generator[tuple[list[int], RoundStats], None, None]:
     """:func:`decode`'s loop as a generator: yields each round's committed tokens and telemetry.
 
     ``out`` and ``stats`` fill up as it runs. The session is ended on both sides when the generator
     finishes or is closed, so a consumer that stops early (a cancelled stream) frees it at once.
     Checks nothing :func:`decode` checks first (empty prompt, ``loop``).
+
+    ``defer_updates``: yield a round only once the next round's draft call has returned (a round
+    that ends the generation at once). A draft call that returns before its GPU work ends (tree
+    slots, or an in-process draft) leaves the GPU busy for milliseconds, and the consumer's work
+    (a target worker handing the round to gRPC for its client) then runs in that shadow instead
+    of between the verification and the next draft. The same rounds and tokens, one round later.
     """
     sid = session_id or uuid.uuid4().hex
     stopper = _StopChecker(params)
@@ -251,6 +258,7 @@ def decode_rounds(
     policy = params.policy or OverlapPolicy(always=params.overlap_policy == "always")
     seeds = _round_seeds(params)
     t_start = time.perf_counter()
+    deferred: tuple[list[int], RoundStats] | None = None  # the last round, not yet yielded
     try:
         while len(out) < params.max_new_tokens:
             remaining = params.max_new_tokens - len(out)
@@ -275,6 +283,10 @@ def decode_rounds(
                     if params.after_draft is not None:
                         params.after_draft()
             t1 = time.perf_counter()
+            if deferred is not None:  # the consumer's time is no round's: shift this round's clock
+                yield deferred
+                deferred, gap = None, time.perf_counter() - t1
+                t0, t1 = t0 + gap, t1 + gap
             vreq = VerifyRequest(sid, tree, pending, target_prefix, params.sampling, seed_v, capacity)
             seeds = _round_seeds(params)  # next round's, drawn before speculation uses them
             spec, spec_s = None, 0.0
@@ -319,9 +331,14 @@ def decode_rounds(
                     spec_hit=hit,
                 )
             )
+            if defer_updates and not stopped:
+                deferred = (kept, stats.rounds[-1])
+                continue
             yield kept, stats.rounds[-1]
             if stopped:
                 break
+        if deferred is not None:  # the last round (max_new_tokens reached)
+            yield deferred
     finally:
         stats.wall_time_s = time.perf_counter() - t_start
         if pool is not None:

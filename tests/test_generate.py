@@ -187,6 +187,50 @@ def test_decode_rounds_yields_each_round_and_a_closed_generator_ends_the_session
     assert len(ref_stats.rounds) > 1
 
 
+@pytest.mark.parametrize("stop_at_eos", [False, True])
+def test_deferred_updates_yield_each_round_after_the_next_draft_call(llama_target, stop_at_eos):
+    """``defer_updates`` (the target worker's stream): each round is yielded only once the next
+    round's draft call has returned, so the consumer's work overlaps the draft's GPU work; the
+    same rounds, tokens and stats as yielding at once, the last round included (EOS or length)."""
+    from specsplit import DraftEngine, LocalTransport, TargetEngine
+    from specsplit.pipeline import DecodeParams, decode_rounds
+    from specsplit.telemetry import SpecStats
+
+    events: list[str] = []
+
+    class Recording(LocalTransport):
+        def draft(self, request):
+            events.append("draft")
+            return super().draft(request)
+
+    transport = Recording(DraftEngine(llama_target), TargetEngine(llama_target))
+    prompt = PROMPTS[1]
+    params = DecodeParams(max_new_tokens=20, tree=TreeConfig(shape="chain", num_draft_tokens=3))
+    expected = 20
+    if stop_at_eos:  # make a token late in the plain run the EOS: the generation stops there
+        ref = [t for toks, _ in decode_rounds(transport, prompt, params, [], SpecStats()) for t in toks]
+        expected = next(k for k in range(12, 19) if ref[k] not in ref[:k]) + 1
+        params = DecodeParams(
+            max_new_tokens=20, tree=params.tree, eos_token_ids=frozenset({ref[expected - 1]})
+        )
+    runs = {}
+    for defer in (False, True):
+        events.clear()
+        got = []
+        for toks, rs in decode_rounds(transport, prompt, params, [], SpecStats(), defer_updates=defer):
+            events.append("round")
+            got.append((toks, rs.accepted, rs.committed))
+        runs[defer] = (got, list(events))
+    (plain, plain_events), (deferred, deferred_events) = runs[False], runs[True]
+    assert deferred == plain and len(plain) > 2
+    assert sum(len(t) for t, _, _ in plain) == expected
+    # yielding at once: draft, round, draft, round, ...; deferred: round N after draft N+1
+    assert plain_events[:4] == ["draft", "round", "draft", "round"]
+    assert deferred_events[:4] == ["draft", "draft", "round", "draft"]
+    assert deferred_events.count("round") == plain_events.count("round")
+    assert all(e.info().active_sessions == 0 for e in (transport.draft_engine, transport.target_engine))
+
+
 def test_transport_time_excludes_the_workers_handling(llama_target):
     """``RoundStats.transport_s`` is call time NOT spent on the workers' side: over gRPC a draft
     worker's handler waits for the device while serialising the tree, after the engine returned,

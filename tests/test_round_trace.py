@@ -72,13 +72,13 @@ def test_analyze_joins_both_workers_spans():
         "draft handler returns -> call returns": 0.5,
         "t: decode the tree": 0.2,
         "t: rest of the draft call": 0.03,
-        "t: loop between draft and verify": 0.04,
+        "t: loop between draft and verify (+ the last round's update, deferred)": 0.04,
         "t: validate the tree": 0.3,
         "t: verify before the round graph": 0.1,
         "t: round graph launch (host)": 0.3,
         "t: wait for the GPU + read the result": 4.6,
         "t: verify after the read": 0.2,
-        "t: loop glue to the next draft call (update to client)": 0.4,
+        "t: loop glue to the next draft call (+ the update, not deferred)": 0.4,
     }
     for k, v in expect.items():
         assert med[k] == pytest.approx(v, abs=1e-9), k

@@ -335,8 +335,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """Run a whole generation here (rounds draft on this worker's draft worker); stream its rounds.
 
         The round loop (:func:`~specsplit.pipeline.decode_rounds`) runs in this handler's thread and
-        each round is sent as it finishes. A cancelled call stops iterating it, which ends the
-        session on both workers before another round starts.
+        each round is sent once the next round's draft call has returned (the last one at once). A
+        cancelled call stops iterating it, which ends the session on both workers (at most one
+        draft call after the last round sent has run).
         """
 
         def check(t0: float) -> Any:
@@ -346,7 +347,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
         req, params = self._h.run(context, None, check)
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
-        rounds = decode_rounds(self.loop, req.prompt_token_ids, params, [], stats, req.session_id)
+        # Each round goes to the client once the next round's draft is under way (defer_updates): the
+        # hand-off to gRPC then overlaps the draft's GPU work instead of delaying its launch.
+        rounds = decode_rounds(
+            self.loop, req.prompt_token_ids, params, [], stats, req.session_id, defer_updates=True
+        )
         try:
             with torch.inference_mode(), self._h.locks.hold(req.session_id):
                 try:
