@@ -41,13 +41,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --cuda-graphs: fuse those steps with torch.compile first (slow first rounds)",
     )
-    p.add_argument(
-        "--prefill-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --cuda-graphs: pad prompts to buckets replayed from CUDA graphs (on by default; "
-        "--no-prefill-graphs: eager prompt forwards)",
-    )
     add_model_kernel_flags(p)
     p.add_argument(
         "--overlap",
@@ -62,6 +55,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def add_model_kernel_flags(p: argparse.ArgumentParser) -> None:
     """The flags that choose how the engines run a model's layers (``generate`` and ``serve``)."""
+    p.add_argument(
+        "--prefill-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --cuda-graphs: pad a prompt's forward to a bucket replayed from one CUDA graph per "
+        "bucket (prefill_graphs; on by default; --no-prefill-graphs: eager prompt forwards)",
+    )
     p.add_argument(
         "--no-fold-gqa",
         action="store_true",
@@ -81,6 +81,14 @@ def add_model_kernel_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_kernel_flags(args: argparse.Namespace) -> None:
+    """Refuse flags of :func:`add_model_kernel_flags` that need a path the command does not take."""
+    from specsplit.errors import ConfigError
+
+    if args.prefill_graphs and not args.cuda_graphs:
+        raise ConfigError("--prefill-graphs pads prompts for the CUDA-graph path: add --cuda-graphs")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     import json
 
@@ -98,8 +106,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg.tree.num_draft_tokens = args.num_draft_tokens
     if args.compile and not args.cuda_graphs:
         raise ConfigError("--compile fuses the CUDA-graph steps: add --cuda-graphs")
-    if args.prefill_graphs and not args.cuda_graphs:
-        raise ConfigError("--prefill-graphs pads prompts for the CUDA-graph path: add --cuda-graphs")
+    check_kernel_flags(args)
     for attr in ("draft", "target"):
         sec = getattr(cfg, attr)
         dev = getattr(args, f"{attr}_device") or args.device

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specsplit.cli import add_model_kernel_flags
+from specsplit.cli import add_model_kernel_flags, check_kernel_flags
 
 if TYPE_CHECKING:
     import torch
@@ -57,13 +57,6 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --cuda-graphs, capture a whole round in one graph: the draft's tree growth (default on) "
         "or the target's greedy verification (both default on; --no-graph-rounds: one graph per forward)",
-    )
-    p.add_argument(
-        "--prefill-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --cuda-graphs, run a prompt's forward padded to a bucket, replayed from one CUDA graph per "
-        "bucket (prefill_graphs; on by default; --no-prefill-graphs: eager prompt forwards)",
     )
     add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
@@ -186,8 +179,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
-    if args.prefill_graphs and not args.cuda_graphs:
-        raise ConfigError("--prefill-graphs pads prompts for the CUDA-graph path: add --cuda-graphs")
+    check_kernel_flags(args)
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
     draft_peer: dict[str, Any] = {}
