@@ -11,9 +11,9 @@ import torch
 
 from specsplit.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.attention import install as install_attention
+from specsplit.capture import pin
 from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
 from specsplit.kv_cache import StaticKVCache
-from specsplit.pinned import pin
 from specsplit.sessions import SessionStore
 
 logger = logging.getLogger(__name__)

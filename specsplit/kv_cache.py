@@ -14,7 +14,7 @@ import logging
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specsplit.pinned import pin
+from specsplit.capture import pin
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specsplit.capture import pin
 from specsplit.errors import InvalidRequest
-from specsplit.pinned import pin
 
 # A sensible default static tree (16 nodes, depth 5): wide near the root where the draft is least
 # sure, a single spine further down where only the top path usually survives (Medusa/Sequoia style).

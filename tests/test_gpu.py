@@ -148,7 +148,7 @@ def test_captures_in_two_threads_at_once(llama_target, llama_draft_random):
     """The overlapped pipeline can capture in both threads at once (a prompt's bucket in the verify
     thread, a new KV bucket of the speculative draft in the other). A capture's set-up (a device
     sync, freeing cached blocks) in one thread invalidates a capture in progress in the other, so
-    captures hold ``specsplit.pinned.CAPTURE_LOCK``: each bucket is captured once and its padded
+    captures hold ``specsplit.capture.CAPTURE_LOCK``: each bucket is captured once and its padded
     forward equals the same forward without graphs."""
     import copy
     import threading
