@@ -125,6 +125,7 @@ class BenchOptions:
     sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
     target_graph_rounds: bool = True  # every SpecSplit target verifies a greedy round in one graph
     prefill_graphs: bool = True  # every SpecSplit engine pads its prompts to graph-replayed buckets
+    fuse_projections: bool = False  # SpecSplit decoders run fused-projection copies of the models
     dynamic_tree: tuple[int, int, int, int] | None = (
         None  # (topk, width, budget, depth) of the dynamic decoders
     )
@@ -323,6 +324,9 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         tokenize_prompts(prompts, models.tokenizer)
     if opts.overlap_draft_device:
         models.use_overlap_device(opts.overlap_draft_device)
+    if opts.fuse_projections:
+        logger.info("fused the projections of %d modules in the SpecSplit decoders' copies",
+                    models.use_fused_projections())  # fmt: skip
     devices = [models.device, models.draft_device] + (
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
@@ -379,6 +383,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "sync_timing": opts.sync_timing,
             "target_graph_rounds": opts.target_graph_rounds,
             "prefill_graphs": opts.prefill_graphs,
+            "fuse_projections": opts.fuse_projections,
             "weight_read_bound": bound,
             "num_draft_tokens": opts.num_draft_tokens,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
@@ -498,6 +503,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "`specsplit serve --no-prefill-graphs`, except the -prefill decoders')",
     )
     p.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="every SpecSplit decoder, local or a gRPC worker, runs copies of the models with q/k/v and "
+        "gate/up fused into one GEMM each (specsplit.fused, `specsplit serve --fuse-projections`); the HF "
+        "decoders keep the originals. Costs one more copy of each model",
+    )
+    p.add_argument(
         "--overlap-draft-device",
         default=None,
         help="a copy of the draft on this device for the overlapped decoders (e.g. cuda:1; default: --draft-device)",
@@ -591,6 +603,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts.append("--no-target-graph-rounds")
     if not args.prefill_graphs:
         parts.append("--no-prefill-graphs")
+    if args.fuse_projections:
+        parts.append("--fuse-projections")
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]
@@ -632,6 +646,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sync_timing=args.sync_timing,
         target_graph_rounds=args.target_graph_rounds,
         prefill_graphs=args.prefill_graphs,
+        fuse_projections=args.fuse_projections,
     )
     try:
         opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)

@@ -106,13 +106,51 @@ class BenchModels:
     pad_token_id: int
     overlap_draft: Any = None  # a copy of the draft on another device for the overlapped decoders
     overlap_draft_device: str | None = None
+    fused: bool = False  # SpecSplit decoders run copies with fused projections (use_fused_projections)
+    fused_target: Any = None
+    fused_draft: Any = None
+
+    @property
+    def specsplit_target(self) -> Any:
+        """The target the SpecSplit decoders run (the fused copy after :meth:`use_fused_projections`)."""
+        return self.fused_target if self.fused else self.target
+
+    @property
+    def specsplit_draft(self) -> Any:
+        """The draft the SpecSplit decoders run (the fused copy after :meth:`use_fused_projections`)."""
+        return self.fused_draft if self.fused else self.draft
 
     def use_overlap_device(self, device: str) -> None:
         """Give the overlapped decoders their own draft copy on ``device`` (e.g. a second GPU)."""
         if self.draft is None or device == self.draft_device:
             return
-        self.overlap_draft = copy.deepcopy(self.draft).to(device)
+        self.overlap_draft = copy.deepcopy(self.specsplit_draft).to(device)
         self.overlap_draft_device = device
+
+    def use_fused_projections(self) -> int:
+        """SpecSplit decoders get copies of the models with q/k/v and gate/up fused (:mod:`specsplit.fused`).
+
+        The HF decoders keep the originals, so the baseline and the exact-match oracle stay
+        transformers' own code path. A ``self:N`` draft is cut from the fused target copy (it shares
+        its weights); the overlapped decoders' draft copy, used by SpecSplit only, is fused in place.
+        Costs one more copy of each model on its device. Returns how many modules were fused.
+        """
+        from specsplit.fused import fuse_projections
+        from specsplit.self_draft import truncated_draft
+
+        if self.fused:
+            return 0
+        self.fused_target = copy.deepcopy(self.target)
+        n = fuse_projections(self.fused_target)
+        if self.draft is not None and self.draft_name.startswith("self:"):
+            self.fused_draft = truncated_draft(self.fused_target, int(self.draft_name.split(":", 1)[1]))
+        elif self.draft is not None:
+            self.fused_draft = copy.deepcopy(self.draft)
+            n += fuse_projections(self.fused_draft)
+        if self.overlap_draft is not None:
+            n += fuse_projections(self.overlap_draft)
+        self.fused = True
+        return n
 
     def generation_config(self, max_new_tokens: int) -> Any:
         """The one greedy ``GenerationConfig`` every decoder runs with (EOS kept, explicit pad)."""
@@ -380,6 +418,7 @@ def _grpc_decoder(
     prefill_graphs = prefill_graphs and graphs  # the padded prefills are part of the graph path
     what = _tree_words(tree)
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
+    what += ", fused q/k/v and gate/up projections" if m.fused else ""
     what += "" if streams else ", unary calls"
     what += "" if tree_ipc or not target_loop else ", trees in replies (no tree slots)"
     draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
@@ -399,6 +438,7 @@ def _grpc_decoder(
     if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
         extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])
         extra += ["--prefill-graphs"] if prefill_graphs else ["--no-prefill-graphs"] if graphs else []
+        extra += ["--fuse-projections"] if m.fused else []
         workers = [WorkerProcess("draft", m.draft_name, device=draft_device, dtype=m.dtype, args=extra)]
         try:
             workers[0].start()
@@ -427,12 +467,12 @@ def _grpc_decoder(
         plabel = f"SpecSplit {what} over gRPC, draft and target workers as separate processes on loopback"
         return _specsplit_decoder(name, plabel, m, pgen, close_processes, graphs or compile)
 
-    draft = m.overlap_draft if overlap and m.overlap_draft is not None else m.draft
+    draft = m.overlap_draft if overlap and m.overlap_draft is not None else m.specsplit_draft
     d_engine = DraftEngine(
         draft, DraftConfig(cuda_graphs=graphs, compile=compile, prefill_graphs=prefill_graphs)
     )
     t_engine = TargetEngine(
-        m.target,
+        m.specsplit_target,
         TargetConfig(
             cuda_graphs=graphs,
             compile=compile,
@@ -571,6 +611,11 @@ def build_decoders(
             n: (f"{v}, {extra}" if n.startswith("specsplit") and not n.endswith(COMPILED_SUFFIX) else v)
             for n, v in labels.items()
         }
+    if m.fused:
+        labels = {
+            n: (f"{v}, fused q/k/v and gate/up projections" if n.startswith("specsplit") else v)
+            for n, v in labels.items()
+        }
     if not prefill_graphs:  # the A/B: only the -prefill twins pad their prompts
         labels = {
             n: (
@@ -624,7 +669,7 @@ def build_decoders(
                         "prompts padded for CUDA graphs: needs --cuda-graphs (or its -compiled twin)"
                     )
                     continue
-                draft = None if base == "specsplit-target-only" else m.draft
+                draft = None if base == "specsplit-target-only" else m.specsplit_draft
                 if base.startswith(("specsplit-overlap", "specsplit-split")) and m.overlap_draft is not None:
                     draft = m.overlap_draft
                 prefill = (prefill_graphs or padded) and graphs
@@ -645,7 +690,7 @@ def build_decoders(
                     ),
                     overlap=name.startswith("specsplit-overlap"),
                 )
-                gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)
+                gen = SpecSplitGenerator(m.specsplit_target, draft, tokenizer=m.tokenizer, config=cfg)
                 decoders.append(_specsplit_decoder(name, labels[name], m, gen, gen.close, graphs or fuse))
     except BaseException:  # a failed worker start must not leak the servers already running
         for dec in decoders:

@@ -493,3 +493,55 @@ def test_dynamic_tree_option_sets_the_dynamic_decoders(capsys: pytest.CaptureFix
             d.close()
     assert main(["bench", "--suite", "smoke", "--dynamic-tree", "2,3"]) != 0
     assert "TOPK,WIDTH,BUDGET,DEPTH" in capsys.readouterr().err
+
+
+def test_fuse_projections_runs_fused_copies_for_specsplit_only(tmp_path: Path) -> None:
+    """``--fuse-projections``: SpecSplit decoders (local and in-process gRPC workers) run fused copies of
+    the models, the HF decoders the untouched originals; tokens stay exact and the flag is recorded."""
+    import torch
+
+    from specsplit.bench_decoders import build_decoders, load_models
+
+    def fused(model: torch.nn.Module) -> int:
+        return sum(getattr(mod, "_specsplit_fused", False) for mod in model.modules())
+
+    m = load_models(tiny=True, device="cpu")
+    assert m.specsplit_target is m.target and m.specsplit_draft is m.draft
+    assert m.use_fused_projections() == 8  # 2 layers x (attention + MLP) x 2 models
+    assert m.use_fused_projections() == 0  # once
+    assert fused(m.target) == fused(m.draft) == 0  # the baseline keeps transformers' own layers
+    assert fused(m.specsplit_target) == fused(m.specsplit_draft) == 4
+    calls = {"target": 0, "draft": 0}
+    for role, model in (("target", m.specsplit_target), ("draft", m.specsplit_draft)):
+        mlp = model.model.layers[0].mlp
+        inner = mlp.forward
+
+        def counted(*a: object, _inner=inner, _role=role, **kw: object) -> torch.Tensor:
+            calls[_role] += 1
+            return _inner(*a, **kw)
+
+        mlp.forward = counted
+    names = ["hf-target", "specsplit-dynamic", "specsplit-grpc-targetloop-dynamic"]
+    decs, skipped = build_decoders(m, names, k=4, cuda_graphs=True, grpc_processes=False)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    try:
+        assert [d.name for d in decs] == names and not skipped
+        assert ["fused q/k/v" in d.label for d in decs] == [False, True, True]
+        ref = decs[0].run(ids, 12).tokens
+        assert calls == {"target": 0, "draft": 0}  # HF generate() ran the unfused original
+        for d in decs[1:]:
+            before = dict(calls)
+            assert d.run(ids, 12).tokens == ref, d.name
+            assert calls["target"] > before["target"] and calls["draft"] > before["draft"], d.name
+    finally:
+        for d in decs:
+            d.close()
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--repeats", "1"]
+    decoders = "hf-target,specsplit-target-only,specsplit-dynamic"
+    argv += ["--fuse-projections", "--decoders", decoders, "--tag", "fused", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("*-smoke-fused.json")
+    result = json.loads(path.read_text())
+    assert result["config"]["fuse_projections"] is True and "--fuse-projections" in result["command"]
+    for name, entry in result["summary"].items():
+        assert entry["overall"]["exact_match_rate"] == 1.0, name
