@@ -443,6 +443,8 @@ def _grpc_decoder(
         try:
             workers[0].start()
             peer = ["--draft-address", workers[0].address] if target_loop else []
+            # the draft worker compiles a new shape on its first call (minutes under --compile)
+            peer += ["--draft-timeout", "600"] if target_loop and compile else []
             peer += ["--graph-rounds" if target_graph_rounds else "--no-graph-rounds"]
             peer += [] if streams or not target_loop else ["--no-draft-stream"]
             peer += [] if tree_ipc or not target_loop else ["--no-tree-ipc"]

@@ -407,6 +407,7 @@ class Workspace:
         self._compile = compile
         self._static: StaticForward | None = None
         self.owner: str | None = None
+        self._warned_owner: str | None = None
 
     @property
     def static(self) -> StaticForward:
@@ -416,7 +417,18 @@ class Workspace:
 
     def acquire(self, session_id: str, needed: int) -> StaticKVCache | None:
         """The workspace cache for ``session_id`` if it is free and large enough, else None."""
-        if self.owner is not None or needed > self._capacity:
+        if self.owner is not None:
+            if self._warned_owner != self.owner:  # once per holder: a leaked session shows up here
+                self._warned_owner = self.owner
+                logger.warning(
+                    "the CUDA-graph workspace of %s is held by session %r: session %r and any other "
+                    "started meanwhile run the eager path (slower) until it ends or expires",
+                    self._runner.model_name or "the model",
+                    self.owner,
+                    session_id,
+                )
+            return None
+        if needed > self._capacity:
             return None
         device_map: Any = getattr(self._runner.model, "hf_device_map", None)
         if device_map and len(set(device_map.values())) > 1:

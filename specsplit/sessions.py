@@ -79,7 +79,7 @@ class SessionStore(Generic[T]):
 
     def get_or_create(self, session_id: str, factory: Callable[[], T]) -> tuple[T, bool]:
         """``(state, existed)``; a new session may evict the least recently used one."""
-        evicted: list[tuple[str, T]] = []
+        evicted: list[tuple[str, _Entry[T]]] = []
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is not None:
@@ -87,13 +87,12 @@ class SessionStore(Generic[T]):
                 self._entries.move_to_end(session_id)
                 return entry.state, True
             while len(self._entries) >= self.max_sessions:
-                sid, old = self._entries.popitem(last=False)
-                evicted.append((sid, old.state))
+                evicted.append(self._entries.popitem(last=False))
             state = factory()
             self._entries[session_id] = _Entry(state)
-        for sid, st in evicted:
+        for sid, old in evicted:
             logger.info("%s: evicted least recently used session %r", self._name, sid)
-            self._evicted(sid, st)
+            self._evicted(sid, old)
         return state, False
 
     def put(self, session_id: str, state: T) -> None:
@@ -109,13 +108,21 @@ class SessionStore(Generic[T]):
 
     @contextmanager
     def locked(self, session_id: str) -> Iterator[None]:
-        """Hold the per-session lock (serialises requests of one session, not of different ones)."""
+        """Hold the per-session lock (serialises requests of one session, not of different ones).
+
+        Raises:
+            SessionNotFound: the session left the store (ended, evicted, expired) before or while
+                this request waited for its lock: its state may already be handed on.
+        """
         with self._lock:
             entry = self._entries.get(session_id)
         if entry is None:
-            yield
-            return
+            raise SessionNotFound(f"session {session_id!r} not found (ended, evicted or expired)")
         with entry.lock:
+            with self._lock:
+                gone = self._entries.get(session_id) is not entry
+            if gone:
+                raise SessionNotFound(f"session {session_id!r} ended while this request waited for it")
             yield
 
     def pop(self, session_id: str) -> bool:
@@ -124,7 +131,7 @@ class SessionStore(Generic[T]):
             entry = self._entries.pop(session_id, None)
         if entry is None:
             return False
-        self._evicted(session_id, entry.state)
+        self._evicted(session_id, entry)
         return True
 
     def clear(self) -> int:
@@ -132,7 +139,7 @@ class SessionStore(Generic[T]):
             items = list(self._entries.items())
             self._entries.clear()
         for sid, e in items:
-            self._evicted(sid, e.state)
+            self._evicted(sid, e)
         return len(items)
 
     def purge_stale(self, ttl_s: float | None = None) -> int:
@@ -145,15 +152,23 @@ class SessionStore(Generic[T]):
                 del self._entries[sid]
         for sid, e in stale:
             logger.info("%s: session %r expired after %.0fs idle", self._name, sid, ttl)
-            self._evicted(sid, e.state)
+            self._evicted(sid, e)
         return len(stale)
 
-    def _evicted(self, sid: str, state: T) -> None:
+    def _evicted(self, sid: str, entry: _Entry[T]) -> None:
+        """Hand a removed session's state to ``on_evict`` once no request of it is running.
+
+        Ending a session while one of its requests is still running (a caller that gave up on a
+        slow call ends it meanwhile) waits for that request: the hook may lend the state's
+        resources (an engine's graph workspace) to another session, which must not happen while
+        this one still uses them.
+        """
         if self._on_evict is not None:
-            try:
-                self._on_evict(sid, state)
-            except Exception:  # an eviction hook must never break the caller
-                logger.exception("%s: on_evict failed for %r", self._name, sid)
+            with entry.lock:
+                try:
+                    self._on_evict(sid, entry.state)
+                except Exception:  # an eviction hook must never break the caller
+                    logger.exception("%s: on_evict failed for %r", self._name, sid)
 
     # ------------------------------------------------------------------ background purge
     def start_purger(self, interval_s: float | None = None) -> None:

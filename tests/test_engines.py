@@ -119,6 +119,57 @@ def test_sessions_end_lru_and_ttl(llama_target):
     te.shutdown()
 
 
+def test_ending_a_session_waits_for_its_running_request():
+    """A session ended (or evicted, or expired) while one of its requests runs hands its state on only
+    after that request: the hook lends engine resources (the graph workspace) to the next session. A
+    request that was waiting for the session's lock when it ended gets SessionNotFound."""
+    import threading
+
+    from specsplit.sessions import SessionStore
+
+    handed: list[tuple[str, float]] = []
+    store: SessionStore[str] = SessionStore(4, 60.0, lambda sid, st: handed.append((sid, time.monotonic())))
+    store.get_or_create("a", lambda: "state-a")
+    inside, release, waiting_done = threading.Event(), threading.Event(), threading.Event()
+    finished: list[float] = []
+    errors: list[BaseException] = []
+
+    def running() -> None:
+        with store.locked("a"):
+            inside.set()
+            release.wait(5.0)
+            finished.append(time.monotonic())
+
+    def waiting() -> None:
+        try:
+            with store.locked("a"):
+                pass
+        except SessionNotFound as e:
+            errors.append(e)
+        waiting_done.set()
+
+    t1 = threading.Thread(target=running)
+    t1.start()
+    assert inside.wait(5.0)
+    t2 = threading.Thread(target=waiting)
+    t2.start()
+    ender = threading.Thread(target=lambda: store.pop("a"))
+    ender.start()
+    deadline = time.monotonic() + 5.0
+    while "a" in store and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the ender is now waiting for the running request
+    assert handed == [] and "a" not in store  # gone from the store at once, handed on later
+    release.set()
+    for t in (t1, t2, ender):
+        t.join(5.0)
+    assert waiting_done.is_set() and len(errors) == 1, errors
+    assert [sid for sid, _ in handed] == ["a"] and handed[0][1] >= finished[0]
+    with pytest.raises(SessionNotFound):
+        with store.locked("a"):
+            pass
+
+
 def test_generate_leaves_no_sessions(llama_target, llama_draft_random):
     gen = SpecSplitGenerator(llama_target, llama_draft_random)
     gen.generate(torch.tensor([PROMPT, PROMPT]), max_new_tokens=8)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -482,6 +483,41 @@ def test_worker_process_launcher(model_dirs) -> None:
     assert proc is not None and proc.poll() is not None  # stopped on exit
     with pytest.raises(TransportError, match="did not start"):
         WorkerProcess("target", str(model_dirs[0] / "missing"), device="cpu", ready_timeout_s=120).start()
+
+
+def test_worker_process_passes_on_the_workers_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's WARNING/ERROR log lines reach the launching process's log (the bench's), its other
+    stderr (progress bars, Python's UserWarnings) does not."""
+    import logging
+    import sys
+
+    from specsplit.remote.launch import WorkerProcess
+
+    script = (
+        "import sys, time\n"
+        "print('Loading weights: 100%', file=sys.stderr, flush=True)\n"
+        "print('x.py:1: UserWarning: not a log level', file=sys.stderr, flush=True)\n"
+        "print('2026-11-27 10:00:00 WARNING specsplit.graphs: workspace held', file=sys.stderr, flush=True)\n"
+        "print('READY 1', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+
+    class Fake(WorkerProcess):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", script]
+
+    with caplog.at_level(logging.WARNING, logger="specsplit.remote.launch"):
+        w = Fake("draft", "m", ready_timeout_s=60).start()
+        try:
+            deadline = time.monotonic() + 10
+            while (
+                not any("workspace held" in r.message for r in caplog.records) and time.monotonic() < deadline
+            ):
+                time.sleep(0.02)
+        finally:
+            w.stop(grace=1.0)
+    forwarded = [r.message for r in caplog.records if r.name == "specsplit.remote.launch"]
+    assert forwarded == ["draft worker: 2026-11-27 10:00:00 WARNING specsplit.graphs: workspace held"]
 
 
 def test_serve_engine_options_reach_both_roles() -> None:

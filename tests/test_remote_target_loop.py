@@ -286,6 +286,39 @@ def test_in_process_servers_and_draft_worker_killed_mid_generation(model_dirs, e
     assert out.spec_stats.rounds[0].drafted_depth > 0 and out.spec_stats.rounds[-1].drafted_depth == 0
 
 
+def test_a_draft_call_past_its_deadline_still_ends_its_session(model_dirs, engines) -> None:
+    """A draft call slower than the target worker's deadline (a first-time compile, say): that
+    generation finishes target-only with the same output, and its draft session still ends, once the
+    slow call has returned. Before, the session stayed until the TTL, holding the draft worker's one
+    graph workspace, and every later session there ran the eager path (seen on an H200: 24 tok/s)."""
+    from specsplit import DraftConfig
+
+    d_engine = DraftEngine(load_saved(model_dirs[1]), DraftConfig(cuda_graphs=True))
+    t_engine = TargetEngine(load_saved(model_dirs[0]))
+    inner, slow = d_engine._ingest, [1.5]
+
+    def ingest(*args, **kwargs):  # inside the call, with the session created and locked
+        if slow:
+            time.sleep(slow.pop())
+        return inner(*args, **kwargs)
+
+    d_engine._ingest = ingest
+    d_srv = serve_draft(d_engine)
+    t_srv = serve_target(t_engine, draft_address=d_srv.address, draft_timeout_s=0.5)
+    ids, _ = prompts(1, seed=11)
+    ref = SpecSplitGenerator(transport=LocalTransport(None, engines[1])).generate(ids, max_new_tokens=12)
+    try:
+        with loop_gen(t_srv.address, TREES["chain4"]) as gen:
+            out = gen.generate(ids, max_new_tokens=12, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.spec_stats.draft_fallback and not slow  # the slow call happened and missed its deadline
+        assert wait_until(lambda: d_engine.active_sessions == 0, timeout=10.0)
+        assert d_engine._workspace.owner is None  # the next session gets the graph workspace
+    finally:
+        t_srv.stop(grace=1.0)
+        d_srv.stop(grace=0.0)
+
+
 class _SilentServicer(TargetServicer):
     def Generate(self, request, context):  # noqa: N802 - gRPC method name
         time.sleep(3.0)
@@ -345,6 +378,10 @@ def test_serve_rejects_draft_peer_options_on_a_draft_worker(tmp_path: Path, caps
 
     assert main(["serve", "draft", "--model", str(tmp_path), "--draft-address", "127.0.0.1:5"]) == 2
     assert "target options" in capsys.readouterr().err
+    assert main(["serve", "draft", "--model", str(tmp_path), "--draft-timeout", "600"]) == 2
+    assert "--draft-timeout" in capsys.readouterr().err
+    assert main(["serve", "target", "--model", str(tmp_path), "--draft-timeout", "0"]) == 2
+    assert "--draft-timeout must be > 0" in capsys.readouterr().err
 
 
 def test_an_engine_error_mid_generation_reaches_the_client_and_the_worker_keeps_serving(

@@ -67,6 +67,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "(clients with grpc_loop='target': one network hop a round instead of two)",
     )
     p.add_argument(
+        "--draft-timeout",
+        type=float,
+        default=None,
+        help="target: deadline in seconds of each call to the draft worker (default 60). A call past it "
+        "makes the round target-only and the draft worker is probed again later; raise it when the "
+        "draft worker compiles (--compile) new shapes on first use, which can take longer",
+    )
+    p.add_argument(
         "--draft-stream",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -189,11 +197,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         or args.draft_tls_ca
         or not args.draft_stream
         or not args.tree_ipc
+        or args.draft_timeout is not None
     ):
         raise ConfigError(
-            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --no-draft-stream and "
-            "--no-tree-ipc are target options"
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --no-draft-stream "
+            "and --no-tree-ipc are target options"
         )
+    if args.draft_timeout is not None and args.draft_timeout <= 0:
+        raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
     if args.draft_address:
         draft_peer = {
             "draft_address": args.draft_address,
@@ -204,6 +215,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "draft_streams": args.draft_stream,
             "tree_slots": args.tree_ipc,
         }
+        if args.draft_timeout is not None:
+            draft_peer["draft_timeout_s"] = args.draft_timeout
     common = engine_options(args)
     limits = ServerLimits(
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),

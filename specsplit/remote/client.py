@@ -317,11 +317,15 @@ class GrpcTransport:
         """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
         msg = pb.EndSessionRequest(session_id=session_id)
         timeout = min(self.timeout_s, _END_SESSION_TIMEOUT_S)
-        peers = [self._target] if self._target is not None else []
-        peers += [self._draft] if self._draft is not None and self._draft_up() else []
-        for p in peers:
+        # A draft worker marked down is still told, once and without retries: a call that missed its
+        # deadline (a first-time compile, say) usually means a slow worker, not a dead one, and the
+        # session it left open would hold its graph workspace, so every later session there would
+        # run the eager path until the TTL freed it. A dead one fails fast on the first attempt.
+        peers = [(self._target, True)] if self._target is not None else []
+        peers += [(self._draft, self._draft_up())] if self._draft is not None else []
+        for p, retry in peers:
             try:
-                self._call(p, "EndSession", msg, timeout=timeout, retry=True)
+                self._call(p, "EndSession", msg, timeout=timeout, retry=retry)
             except SpecSplitError as e:
                 logger.info("EndSession(%s) on the %s worker failed: %s", session_id, p.role, e)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from specsplit.errors import TransportError
 
 logger = logging.getLogger(__name__)
+_SEVERE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")  # log levels, not Python's "UserWarning"
 
 
 class WorkerProcess:
@@ -90,6 +92,8 @@ class WorkerProcess:
         for text in self.proc.stderr:
             self._log.append(text)
             del self._log[:-200]
+            if _SEVERE.search(text):  # the worker's own warnings reach this process's log
+                logger.warning("%s worker: %s", self.role, text.rstrip())
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM (the worker drains in-flight calls), then SIGKILL after ``grace`` seconds."""
