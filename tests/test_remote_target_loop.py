@@ -319,6 +319,31 @@ def test_a_draft_call_past_its_deadline_still_ends_its_session(model_dirs, engin
         d_srv.stop(grace=0.0)
 
 
+def test_end_session_reaches_the_draft_worker_only_for_sessions_it_saw() -> None:
+    """EndSession goes to the draft worker for a session that made a draft call, even one that failed
+    and marked the worker down (once, no retries); a session that never reached it (target-only while
+    it was down) costs it no call, so a hung draft worker does not slow every generation's end."""
+    from specsplit import DraftRequest
+
+    transport = GrpcTransport(None, "127.0.0.1:1", timeout_s=0.5)
+    calls: list[tuple[str, str, bool]] = []
+
+    def record(peer, method, msg, *, timeout, retry, wait=False):  # noqa: ARG001 - the _call signature
+        calls.append((peer.role, method, retry))
+
+    try:
+        with pytest.raises(TransportError):
+            transport.draft(DraftRequest("seen", [1, 2, 3], 0, TREES["chain4"]))
+        assert not transport._draft_up()
+        transport._call = record
+        transport.end_session("never-drafted")
+        transport.end_session("seen")
+        transport.end_session("seen")  # told once
+    finally:
+        transport.close()
+    assert calls == [("draft", "EndSession", False)]
+
+
 class _SilentServicer(TargetServicer):
     def Generate(self, request, context):  # noqa: N802 - gRPC method name
         time.sleep(3.0)

@@ -218,6 +218,7 @@ class GrpcTransport:
         self._draft = peer("draft", draft_address, pb_grpc.DraftServiceStub) if draft_address else None
         self._lock = threading.Lock()
         self._draft_down_since: float | None = None
+        self._drafted: set[str] = set()  # sessions with a draft call since their start: EndSession goes there
         self._closed = False
         self._draft_stream = _Stream(self._draft, "GenerateDraftsStream") if streams and self._draft else None
         self._verify_stream = (
@@ -270,6 +271,7 @@ class GrpcTransport:
         if self._draft is None:
             raise TransportError("no draft worker configured (draft_address is None)")
         msg = _encode(convert.draft_request_to_proto, request)
+        self._drafted.add(request.session_id)  # before the call: one that fails may still have made state
         try:
             resp = self._call_or_stream(self._draft, "GenerateDrafts", self._draft_stream, msg, retry=False)
         except TransportError as e:
@@ -317,12 +319,15 @@ class GrpcTransport:
         """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
         msg = pb.EndSessionRequest(session_id=session_id)
         timeout = min(self.timeout_s, _END_SESSION_TIMEOUT_S)
-        # A draft worker marked down is still told, once and without retries: a call that missed its
-        # deadline (a first-time compile, say) usually means a slow worker, not a dead one, and the
-        # session it left open would hold its graph workspace, so every later session there would
-        # run the eager path until the TTL freed it. A dead one fails fast on the first attempt.
+        # The draft worker is told about the sessions it has seen, even when it is marked down (once,
+        # without retries): a call that missed its deadline (a first-time compile, say) usually means
+        # a slow worker, not a dead one, and the session it left open would hold its graph workspace,
+        # so every later session there would run the eager path until the TTL freed it. Sessions that
+        # never reached it (decoded target-only while it was down) cost it no call.
+        drafted = session_id in self._drafted
+        self._drafted.discard(session_id)
         peers = [(self._target, True)] if self._target is not None else []
-        peers += [(self._draft, self._draft_up())] if self._draft is not None else []
+        peers += [(self._draft, self._draft_up())] if self._draft is not None and drafted else []
         for p, retry in peers:
             try:
                 self._call(p, "EndSession", msg, timeout=timeout, retry=retry)
