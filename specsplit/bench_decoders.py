@@ -84,6 +84,7 @@ OPTIONAL_DECODERS = (
     "specsplit-dynamic-prefill-compiled",
 )
 PREFILL_SUFFIX = "-prefill"
+FUSED_WORDS = ", fused q/k/v and gate/up projections"  # label words of the decoders that run fused copies
 ALL_DECODERS = DECODERS + OPTIONAL_DECODERS
 COMPILED_SUFFIX = "-compiled"
 BASELINE, ASSISTED = "hf-target", "hf-assisted"
@@ -418,7 +419,7 @@ def _grpc_decoder(
     prefill_graphs = prefill_graphs and graphs  # the padded prefills are part of the graph path
     what = _tree_words(tree)
     what += ", CUDA graphs fused by torch.compile" if compile else (", CUDA graphs" if graphs else "")
-    what += ", fused q/k/v and gate/up projections" if m.fused else ""
+    what += FUSED_WORDS if m.fused else ""
     what += "" if streams else ", unary calls"
     what += "" if tree_ipc or not target_loop else ", trees in replies (no tree slots)"
     draft_device = (m.overlap_draft_device or m.draft_device) if overlap else m.draft_device
@@ -614,10 +615,7 @@ def build_decoders(
             for n, v in labels.items()
         }
     if m.fused:
-        labels = {
-            n: (f"{v}, fused q/k/v and gate/up projections" if n.startswith("specsplit") else v)
-            for n, v in labels.items()
-        }
+        labels = {n: (v + FUSED_WORDS if n.startswith("specsplit") else v) for n, v in labels.items()}
     if not prefill_graphs:  # the A/B: only the -prefill twins pad their prompts
         labels = {
             n: (
