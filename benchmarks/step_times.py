@@ -45,7 +45,7 @@ def measure(
     ctx: int,
     qs: list[int],
     bw: float,
-    compile: bool = False,
+    kinds: list[str],
 ) -> dict:
     from specsplit.engine_common import ModelRunner
     from specsplit.graphs import StaticForward
@@ -64,17 +64,20 @@ def measure(
     out = {"model": name, "weight_bytes": weight_bytes(model), "context": ctx}
     out["bound_ms"] = out["weight_bytes"] / bw * 1e3
     out["eager_step_ms"] = time_ms(eager_step)
-    plain = ModelRunner(model, name, None, None, "auto")  # transformers' SDPA (repeat_kv under a mask)
-    fold = ModelRunner(model, name, None, None, "auto", fold_gqa=True)  # specsplit.attention's GQA fold
+    runners = {
+        False: ModelRunner(model, name, None, None, "auto"),  # transformers' SDPA (repeat_kv under a mask)
+        True: ModelRunner(model, name, None, None, "auto", fold_gqa=True),  # specsplit.attention's GQA fold
+    }
+    # "compiled": the same captured steps, their forwards fused by torch.compile first
     variants = [
-        ("graph", StaticForward(plain, ctx + 128, use_graphs=True)),
-        ("graph-fold", StaticForward(fold, ctx + 128, use_graphs=True)),
+        (
+            k,
+            StaticForward(
+                runners[k.endswith("-fold")], ctx + 128, use_graphs=True, compile=k.startswith("compiled")
+            ),
+        )
+        for k in kinds
     ]
-    if compile:  # the same captured steps, their forwards fused by torch.compile first
-        variants += [
-            ("compiled", StaticForward(plain, ctx + 128, use_graphs=True, compile=True)),
-            ("compiled-fold", StaticForward(fold, ctx + 128, use_graphs=True, compile=True)),
-        ]
     for (kind, sf), q in ((v, q) for v in variants for q in qs):
         ids = torch.randint(0, vocab, (q,), device=device)
         pos = torch.arange(ctx, ctx + q, device=device)
@@ -96,6 +99,9 @@ def measure(
         ms = time_ms(step)
         out[f"{kind}_q{q}_ms"] = ms
         out[f"{kind}_q{q}_over_bound"] = ms / out["bound_ms"]
+        print(
+            f"{name} ctx {ctx} {kind} q={q}: {ms:.3f} ms = {ms / out['bound_ms']:.2f}x the bound", flush=True
+        )
     return out
 
 
@@ -107,7 +113,18 @@ def main() -> None:
     ap.add_argument("--context", default="512", help="comma-separated cached-prefix lengths")
     ap.add_argument("--qs", default="1,5,17,33")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--draft-qs", default=None, help="the draft's query lengths (default: --qs)")
     ap.add_argument("--compile", action="store_true", help="also time the torch.compile-fused captured step")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated subset of {','.join(KINDS)} (default: the graph ones, plus the compiled ones with --compile)",
+    )
+    ap.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="time copies with fused q/k/v and gate/up projections (specsplit.fused, as `bench --fuse-projections`)",
+    )
     ap.add_argument("--tag", default="", help="suffix for the result file names")
     ap.add_argument("--from-json", default=None, help="run nothing: draw the .png of a results .json")
     args = ap.parse_args()
@@ -119,12 +136,18 @@ def main() -> None:
     device = torch.device(args.device)
     bw = copy_bandwidth(device, nbytes=2 << 30)
     qs = [int(x) for x in args.qs.split(",")]
+    role_qs = {"target": qs, "draft": [int(x) for x in args.draft_qs.split(",")] if args.draft_qs else qs}
+    kinds = _kinds(args)
     rows = []
     contexts = [int(x) for x in args.context.split(",")]
     for role, name in (("target", args.target), ("draft", args.draft)):
         model = load_model(name, dtype=torch.bfloat16, device=str(device))
+        if args.fuse_projections:
+            from specsplit.fused import fuse_projections
+
+            print(f"{name}: fused the projections of {fuse_projections(model)} modules", flush=True)
         for ctx in contexts:
-            r = measure(model, name, device, ctx, qs, bw, args.compile)
+            r = measure(model, name, device, ctx, role_qs[role], bw, kinds)
             r["role"] = role
             rows.append(r)
         del model
@@ -137,36 +160,35 @@ def main() -> None:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "command": _command(args),
+        "fused_projections": args.fuse_projections,
         "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu.lower().replace("nvidia ", "").split()[0] + (f"-{args.tag}" if args.tag else "")
     (out / f"step_times-{slug}.json").write_text(json.dumps(result, indent=2))
-    kinds = ["graph", "graph-fold"] + (["compiled", "compiled-fold"] if args.compile else [])
     lines = [
         f"# Step times on {gpu} (bf16, context {args.context}; copy bandwidth {bw / 1e9:.0f} GB/s)",
         "",
         f"- command: `{result['command']}`",
-        "- one model step at batch 1 over a static cache: eager HF, the captured CUDA graph"
-        + (", and the graph of the torch.compile-fused step" if args.compile else "")
-        + "; bound = weight bytes / copy bandwidth",
+        "- one model step at batch 1 over a static cache: eager HF, and our static step replayed from a"
+        " CUDA graph (`compiled`: its forward fused by torch.compile before capture); bound = weight"
+        " bytes / copy bandwidth"
+        + ("; q/k/v and gate/up projections fused (`--fuse-projections`)" if args.fuse_projections else ""),
         "- `-fold`: attention through `specsplit.attention` (GQA folded into the query rows, the engines'"
         " default); without: transformers' SDPA (`repeat_kv` under a mask)",
         "",
-        "| model | context | weights GB | bound ms | eager HF step ms | "
-        + " | ".join(f"{k} q={q} ms (x bound)" for k in kinds for q in qs)
-        + " |",
-        "|---|---|---|---|---|" + "---|" * (len(qs) * len(kinds)),
+        "| model | context | weights GB | bound ms | eager HF step ms | step | q | ms | x bound |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = " | ".join(
-            f"{r[f'{k}_q{q}_ms']:.2f} ({r[f'{k}_q{q}_over_bound']:.1f}x)" for k in kinds for q in qs
-        )
-        lines.append(
-            f"| {r['role']} {r['model']} | {r['context']} | {r['weight_bytes'] / 1e9:.2f} | {r['bound_ms']:.2f} | "
-            f"{r['eager_step_ms']:.2f} | {cells} |"
-        )
+        for k in kinds:
+            for q in role_qs[r["role"]]:
+                lines.append(
+                    f"| {r['role']} {r['model']} | {r['context']} | {r['weight_bytes'] / 1e9:.2f} | "
+                    f"{r['bound_ms']:.2f} | {r['eager_step_ms']:.2f} | {k} | {q} | {r[f'{k}_q{q}_ms']:.2f} | "
+                    f"{r[f'{k}_q{q}_over_bound']:.2f} |"
+                )
     (out / f"step_times-{slug}.md").write_text("\n".join(lines) + "\n")
     plot(out / f"step_times-{slug}.json")
     print("\n".join(lines))
@@ -182,11 +204,11 @@ def plot(json_path: Path) -> bool:
     doc = json.loads(json_path.read_text())
     rows = doc["rows"]
     roles = sorted({r["role"] for r in rows}, reverse=True)  # target, draft
-    keys = sorted({k[: -len("_ms")] for r in rows for k in r if k.endswith("_ms") and "_q" in k})
     fig, axes = plt.subplots(1, len(roles), figsize=(6 * len(roles), 4), squeeze=False)
     for ax, role in zip(axes[0], roles, strict=True):
         mine = sorted((r for r in rows if r["role"] == role), key=lambda r: r["context"])
         ctx = [r["context"] for r in mine]
+        keys = sorted({k[: -len("_ms")] for r in mine for k in r if k.endswith("_ms") and "_q" in k})
         for k in keys:
             ax.plot(ctx, [r[f"{k}_ms"] for r in mine], marker="o", label=k.replace("_", " "))
         ax.plot(ctx, [r["bound_ms"] for r in mine], ":", color="gray", label="weight-read bound")
@@ -202,14 +224,29 @@ def plot(json_path: Path) -> bool:
     return True
 
 
+KINDS = ("graph", "graph-fold", "compiled", "compiled-fold")
+
+
+def _kinds(args: argparse.Namespace) -> list[str]:
+    """The step variants to time: ``--variants``, else the graph ones (+ compiled with ``--compile``)."""
+    if args.variants is None:
+        return list(KINDS if args.compile else KINDS[:2])
+    kinds = [k.strip() for k in args.variants.split(",") if k.strip()]
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad or not kinds:
+        raise SystemExit(f"--variants: unknown {bad or 'empty list'}; choose from {', '.join(KINDS)}")
+    return kinds
+
+
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (flags as flags, not ``--flag True``)."""
     parts = ["python benchmarks/step_times.py"]
     for k, v in vars(args).items():
+        flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
-            parts += [f"--{k}"] if v else []
-        else:
-            parts.append(f"--{k} {v}")
+            parts += [flag] if v else []
+        elif v is not None:
+            parts.append(f"{flag} {v}")
     return " ".join(parts)
 
 
