@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 VOCAB = 256
 EOS = 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """A fresh import of ``benchmarks/<name>.py`` (a script directory, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_llama(seed: int, layers: int = 2, vocab: int = VOCAB, hidden: int = 64) -> LlamaForCausalLM:

@@ -3,23 +3,14 @@ itself needs real workers on a GPU to mean anything; ``test_gpu.py`` runs its ho
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 US = 1000  # ns
 
 
 def _trace():
-    spec = importlib.util.spec_from_file_location(
-        "grpc_round_trace", ROOT / "benchmarks" / "grpc_round_trace.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("grpc_round_trace")
 
 
 def _prompt(base: int, rounds: int) -> tuple[list, list, int]:

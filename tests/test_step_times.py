@@ -6,26 +6,19 @@ so what is checked is what main() asks it to time and how the answers are writte
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_qwen2
+from conftest import load_benchmark, tiny_qwen2
 
 import specsplit.models
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _step_times():
-    spec = importlib.util.spec_from_file_location("step_times", ROOT / "benchmarks" / "step_times.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("step_times")
 
 
 def _run(monkeypatch, tmp_path: Path, *argv: str):

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 from specsplit.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("tree_sweep", ROOT / "benchmarks" / "tree_sweep.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("tree_sweep")
 
 
 def test_parse_shape():
