@@ -7,11 +7,11 @@ timed per kernel choice, next to the time it takes to read that layer's K and V 
 - ``hf-sdpa``: what transformers' SDPA integration does with a mask and GQA: ``repeat_kv`` copies
   K and V to every query head, then SDPA (default backend choice);
 - ``gqa-sdpa``: SDPA with ``enable_gqa=True`` and the mask (PyTorch picks the backend);
-- ``fold-sdpa``: :func:`specsplit.attention.folded_attention` with SDPA: the GQA group folded into
+- ``fold-sdpa``: :func:`specsplit.runtime.attention.folded_attention` with SDPA: the GQA group folded into
   the query rows (`[1, kv_heads, group * q, d]`, K/V read once), the mask repeated over the group;
 - ``fold-math``: the same fold with two matmuls and a float32 softmax (cuBLAS splits the long KV
   dimension across the GPU; SDPA's kernels parallelise over heads and query blocks, of which a
-  batch-1 verify has few). SpecSplit picks it from ``specsplit.attention.MATH_MIN_KV`` tokens on.
+  batch-1 verify has few). SpecSplit picks it from ``specsplit.runtime.attention.MATH_MIN_KV`` tokens on.
 
 Every variant's output is checked against a float32 reference before it is timed.
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from step_times import copy_bandwidth  # noqa: E402
 
-from specsplit.attention import folded_attention  # noqa: E402
-from specsplit.bench_report import pyplot  # noqa: E402
+from specsplit.bench.report import pyplot  # noqa: E402
+from specsplit.runtime.attention import folded_attention  # noqa: E402
 
 Attn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

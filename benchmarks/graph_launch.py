@@ -2,7 +2,7 @@
 
 For the draft and target shapes of the default pair (random weights: only shapes matter), with
 plain captured graphs and with ``torch.compile``-fused ones, one static forward of ``q`` tokens is
-captured through :class:`~specsplit.graphs.StaticForward` and then timed four ways:
+captured through :class:`~specsplit.runtime.graphs.StaticForward` and then timed four ways:
 
 - ``launch_ms``: host time of ``graph.replay()`` (cudaGraphLaunch) with the GPU idle;
 - ``single_ms``: one replay from an idle GPU to its end (CUDA events around it);
@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specsplit.bench_report import pyplot  # noqa: E402
+from specsplit.bench.report import pyplot  # noqa: E402
 from specsplit.config import DraftConfig, SamplingParams, TreeConfig  # noqa: E402
-from specsplit.draft import DraftEngine  # noqa: E402
-from specsplit.engine_common import ModelRunner  # noqa: E402
-from specsplit.fused import fuse_projections  # noqa: E402
-from specsplit.graphs import StaticForward  # noqa: E402
+from specsplit.engines.draft import DraftEngine  # noqa: E402
+from specsplit.runtime.fused import fuse_projections  # noqa: E402
+from specsplit.runtime.graphs import StaticForward  # noqa: E402
+from specsplit.runtime.runner import ModelRunner  # noqa: E402
 from specsplit.transport import DraftRequest  # noqa: E402
 
 # Qwen2.5-Coder-0.5B / 1.5B-Instruct shapes (their config.json).

@@ -195,7 +195,7 @@ def write(result: dict[str, Any], out: Path, stem: str) -> None:
         lines.append(f"| {r['style']} | {r['gap_ms']:g} | {r['median_us']:.0f} | {r['p90_us']:.0f} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     sys.path.insert(0, str(ROOT))
-    from specsplit.bench_report import pyplot
+    from specsplit.bench.report import pyplot
 
     plt = pyplot()
     if plt is None:

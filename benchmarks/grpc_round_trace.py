@@ -130,7 +130,7 @@ def _gpu_span(rec: _Recorder, owner: Any, start_attr: str, end_owner: Any, end_a
 
 
 def _install_draft(rec: _Recorder) -> None:
-    from specsplit.draft import DraftEngine
+    from specsplit.engines.draft import DraftEngine
     from specsplit.remote import convert, server
 
     _gpu_span(rec, DraftEngine, "generate", convert, "draft_result_to_proto", "d.gpu")
@@ -145,10 +145,10 @@ def _install_draft(rec: _Recorder) -> None:
 
 
 def _install_target(rec: _Recorder) -> None:
+    from specsplit.core.tree import TokenTree
+    from specsplit.core.verification import VerifyOutcome
+    from specsplit.engines.target import TargetEngine
     from specsplit.remote import client, convert, server, target_loop
-    from specsplit.target import TargetEngine
-    from specsplit.tree import TokenTree
-    from specsplit.verification import VerifyOutcome
 
     _gpu_span(rec, TargetEngine, "_verify_one_graph", TargetEngine, "_verify_one_graph", "t.gpu")
     loop = target_loop.TargetLoopTransport
@@ -539,7 +539,7 @@ def _table(res: dict[str, Any]) -> str:
 
 def write_plot(res: dict[str, Any], path: Path) -> bool:
     """The median gRPC round as one stacked bar per side, beside the local steady round."""
-    from specsplit.bench_report import pyplot, save_figure
+    from specsplit.bench.report import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -568,7 +568,7 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specsplit.bench_report import add_pair_arguments, rerender, write_result
+    from specsplit.bench.report import add_pair_arguments, rerender, write_result
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--hooked"]:
@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
+    from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
     from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig, TreeConfig
     from specsplit.generator import SpecSplitGenerator
     from specsplit.models import load_tokenizer
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             target=TargetConfig(model=args.target, device=args.device, dtype=args.dtype, cuda_graphs=graphs),
         )
         gen = SpecSplitGenerator.from_pretrained(args.target, args.draft, tokenizer=tok, config=cfg)
-        from specsplit.draft import DraftEngine
+        from specsplit.engines.draft import DraftEngine
         from specsplit.local import LocalTransport
 
         local_rec = _Recorder("")

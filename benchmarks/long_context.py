@@ -49,14 +49,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specsplit.bench_report import pyplot  # noqa: E402
+from specsplit.bench.report import pyplot  # noqa: E402
 from specsplit.config import DraftConfig, TargetConfig, TreeConfig  # noqa: E402
-from specsplit.draft import DraftEngine  # noqa: E402
+from specsplit.core.tree import TokenTree  # noqa: E402
+from specsplit.engines.draft import DraftEngine  # noqa: E402
+from specsplit.engines.partial_kv import SpecPVConfig  # noqa: E402
+from specsplit.engines.target import TargetEngine  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
-from specsplit.partial_kv import SpecPVConfig  # noqa: E402
-from specsplit.target import TargetEngine  # noqa: E402
 from specsplit.transport import DraftRequest, VerifyRequest  # noqa: E402
-from specsplit.tree import TokenTree  # noqa: E402
 
 TREES = {
     "chain4": TreeConfig(shape="chain", num_draft_tokens=4),
@@ -438,7 +438,7 @@ def write_markdown(
         + (
             "transformers' SDPA (repeat_kv)."
             if meta.get("fold_gqa") is False
-            else "GQA folded into the query rows (`specsplit.attention`)."
+            else "GQA folded into the query rows (`specsplit.runtime.attention`)."
             if meta.get("fold_gqa")
             else "transformers' SDPA (runs before `fold_gqa` existed)."
         ),

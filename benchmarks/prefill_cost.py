@@ -13,7 +13,7 @@ call of that route has seen in this process:
 * ``same length, new thread``: the same prompt again on a fresh thread (a gRPC worker serves each
   call on whichever pool thread is free).
 
-Routes: ``cudnn-allowed`` (``specsplit.attention.AVOID_CUDNN = False``: the choice is PyTorch's),
+Routes: ``cudnn-allowed`` (``specsplit.runtime.attention.AVOID_CUDNN = False``: the choice is PyTorch's),
 ``memory-efficient`` (the engines' default on CUDA) and ``prefill-graphs`` (memory-efficient, with
 ``DraftConfig/TargetConfig.prefill_graphs``: the prompt's forward padded to a bucket and replayed
 from that bucket's CUDA graph; its ``new length`` case captures the graph when the bucket is new to
@@ -86,12 +86,12 @@ def _profile(draft: Any, target: Any, prompt: list[int], tree: Any, sync: Any) -
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from specsplit import attention
-    from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
+    from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
     from specsplit.config import DraftConfig, TargetConfig, TreeConfig
-    from specsplit.draft import DraftEngine
+    from specsplit.engines.draft import DraftEngine
+    from specsplit.engines.target import TargetEngine
     from specsplit.models import load_tokenizer
-    from specsplit.target import TargetEngine
+    from specsplit.runtime import attention
 
     topk, width, budget, depth = (int(x) for x in args.dynamic_tree.split(","))
     tree = TreeConfig(shape="dynamic", topk=topk, width=width, budget=budget, max_depth=depth)
@@ -179,7 +179,7 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def write_plot(res: dict[str, Any], path: Path) -> bool:
-    from specsplit.bench_report import pyplot, save_figure
+    from specsplit.bench.report import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -203,7 +203,7 @@ def write_plot(res: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specsplit.bench_report import add_pair_arguments, rerender, write_result
+    from specsplit.bench.report import add_pair_arguments, rerender, write_result
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rerender"]:

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's specsplit
 
-from specsplit.roofline import copy_bandwidth, weight_bytes  # noqa: E402
+from specsplit.bench.roofline import copy_bandwidth, weight_bytes  # noqa: E402
 
 
 def time_ms(fn, reps: int = 50) -> float:
@@ -47,8 +47,8 @@ def measure(
     bw: float,
     kinds: list[str],
 ) -> dict:
-    from specsplit.engine_common import ModelRunner
-    from specsplit.graphs import StaticForward
+    from specsplit.runtime.graphs import StaticForward
+    from specsplit.runtime.runner import ModelRunner
 
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, ctx), device=device)
@@ -66,7 +66,9 @@ def measure(
     out["eager_step_ms"] = time_ms(eager_step)
     runners = {
         False: ModelRunner(model, name, None, None, "auto"),  # transformers' SDPA (repeat_kv under a mask)
-        True: ModelRunner(model, name, None, None, "auto", fold_gqa=True),  # specsplit.attention's GQA fold
+        True: ModelRunner(
+            model, name, None, None, "auto", fold_gqa=True
+        ),  # specsplit.runtime.attention's GQA fold
     }
     # "compiled": the same captured steps, their forwards fused by torch.compile first
     variants = [
@@ -123,7 +125,7 @@ def main() -> None:
     ap.add_argument(
         "--fuse-projections",
         action="store_true",
-        help="time copies with fused q/k/v and gate/up projections (specsplit.fused, as `bench --fuse-projections`)",
+        help="time copies with fused q/k/v and gate/up projections (specsplit.runtime.fused, as `bench --fuse-projections`)",
     )
     ap.add_argument("--tag", default="", help="suffix for the result file names")
     ap.add_argument("--from-json", default=None, help="run nothing: draw the .png of a results .json")
@@ -143,7 +145,7 @@ def main() -> None:
     for role, name in (("target", args.target), ("draft", args.draft)):
         model = load_model(name, dtype=torch.bfloat16, device=str(device))
         if args.fuse_projections:
-            from specsplit.fused import fuse_projections
+            from specsplit.runtime.fused import fuse_projections
 
             print(f"{name}: fused the projections of {fuse_projections(model)} modules", flush=True)
         for ctx in contexts:
@@ -175,7 +177,7 @@ def main() -> None:
         " CUDA graph (`compiled`: its forward fused by torch.compile before capture); bound = weight"
         " bytes / copy bandwidth"
         + ("; q/k/v and gate/up projections fused (`--fuse-projections`)" if args.fuse_projections else ""),
-        "- `-fold`: attention through `specsplit.attention` (GQA folded into the query rows, the engines'"
+        "- `-fold`: attention through `specsplit.runtime.attention` (GQA folded into the query rows, the engines'"
         " default); without: transformers' SDPA (`repeat_kv` under a mask)",
         "",
         "| model | context | weights GB | bound ms | eager HF step ms | step | q | ms | x bound |",
@@ -196,7 +198,7 @@ def main() -> None:
 
 def plot(json_path: Path) -> bool:
     """Step ms against the cached tokens, per model and step kind (needs matplotlib)."""
-    from specsplit.bench_report import pyplot
+    from specsplit.bench.report import pyplot
 
     plt = pyplot()
     if plt is None:

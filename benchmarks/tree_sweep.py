@@ -12,7 +12,7 @@ recompilation. Target-only decoding (no draft) on the same engines is the refere
 A shape is ``target`` (no draft), ``chain:K`` or ``dynamic:topk,width,budget,depth``, optionally
 followed by ``/target-rounds`` (the target verifies a greedy round as one graph,
 ``TargetConfig.graph_rounds``). ``--timeline`` also profiles one generation per shape and splits
-its rounds into GPU time per phase and GPU idle time (:mod:`specsplit.profiling`).
+its rounds into GPU time per phase and GPU idle time (:mod:`specsplit.bench.profiling`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
-from specsplit.bench_decoders import load_models
-from specsplit.bench_report import pyplot
+from specsplit.bench.decoders import load_models
+from specsplit.bench.profiling import format_summary, round_timeline
+from specsplit.bench.report import pyplot
+from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
 from specsplit.config import DraftConfig, TargetConfig
-from specsplit.profiling import format_summary, round_timeline
 
 DEFAULT_SHAPES = (
     "target;chain:4;dynamic:4,4,24,4;dynamic:4,4,24,5;dynamic:4,4,24,6;dynamic:4,4,24,7;dynamic:8,4,24,6"
@@ -242,7 +242,7 @@ def write_table(path: Path) -> None:
     if timed:
         lines += [
             "- profile columns: one more generation of the first prompt under the torch profiler "
-            "(`specsplit.profiling`), means per round: GPU busy / idle ms in the round's wall time, then GPU "
+            "(`specsplit.bench.profiling`), means per round: GPU busy / idle ms in the round's wall time, then GPU "
             "ms of the work launched by the draft's ingest, the draft's tree growth and the verification "
             "(idle is an upper bound: the profiler slows the host)",
             "",

@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specsplit.model_fetch import (  # noqa: E402
+from specsplit.models.fetcher import (  # noqa: E402
     MODELS,
     PAIRS,
     cache_root,

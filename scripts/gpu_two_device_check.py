@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
 from specsplit.models import load_model, load_tokenizer
-from specsplit.self_draft import truncated_draft
+from specsplit.models.self_draft import truncated_draft
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

@@ -14,7 +14,7 @@ import torch
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
 from specsplit.models import load_model, load_tokenizer
-from specsplit.self_draft import truncated_draft
+from specsplit.models.self_draft import truncated_draft
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Where a round's time goes on a GPU: host time per phase (plain timers, no profiler) and the
-profiled per-round GPU timeline (:mod:`specsplit.profiling`), for target-only decoding, a dynamic
+profiled per-round GPU timeline (:mod:`specsplit.bench.profiling`), for target-only decoding, a dynamic
 tree with the one-graph verify round, and the same with eager acceptance. Keeps each Chrome trace
 (gzipped) for a closer look (kernel names, launch gaps).
 
@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.bench import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
-from specsplit.bench_decoders import load_models
+from specsplit.bench.decoders import load_models
+from specsplit.bench.profiling import format_summary, host_times, round_timeline
+from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
 from specsplit.config import DraftConfig, TargetConfig
-from specsplit.profiling import format_summary, host_times, round_timeline
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ that the CUDA-graph replays do not cover; a few hundred of them per round are mi
 critical path. This runs the static (CUDA-graph) path eagerly on CPU with tiny random models and
 counts, per round, the ops issued by the draft engine, the target engine and the rest (pipeline,
 transport), excluding everything inside a model forward and inside a whole-round graph
-(:class:`~specsplit.graphs.GraphedRound`: a dynamic tree's growth, one replay on a GPU). The counts
+(:class:`~specsplit.runtime.graphs.GraphedRound`: a dynamic tree's growth, one replay on a GPU). The counts
 are the same on a GPU, since shapes and control flow do not depend on the device.
 
     python scripts/round_ops.py                 # chain, static, dynamic; table on stdout
@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import noisy_copy, tiny_llama  # noqa: E402
 
 from specsplit import DraftConfig, SpecSplitConfig, SpecSplitGenerator, TargetConfig, TreeConfig  # noqa: E402
-from specsplit import graphs as graphs_mod  # noqa: E402
-from specsplit.engine_common import ModelRunner  # noqa: E402
+from specsplit.runtime import graphs as graphs_mod  # noqa: E402
+from specsplit.runtime.runner import ModelRunner  # noqa: E402
 
 TREES = {
     "chain": TreeConfig(shape="chain", num_draft_tokens=4),

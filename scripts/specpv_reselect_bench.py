@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specsplit.kv_cache import StaticKVCache  # noqa: E402
-from specsplit.partial_kv import PartialSession, SpecPVConfig  # noqa: E402
+from specsplit.engines.partial_kv import PartialSession, SpecPVConfig  # noqa: E402
+from specsplit.runtime.kv_cache import StaticKVCache  # noqa: E402
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ computed once. Then the SAME chain trees (the next ``depth`` reference tokens) a
 after round by
 
 - a full-cache engine (exact logits for exactly the same forwards), and
-- a :class:`~specsplit.specpv.PartialVerifier` (seed / partial / refresh, the real policy),
+- a :class:`~specsplit.engines.specpv.PartialVerifier` (seed / partial / refresh, the real policy),
 
 both committing the whole reference chain every round (teacher forcing), so per-row top-1 agreement
 and KL(full || partial) are measured position by position without the sequences diverging. The first
@@ -40,11 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from long_context import _first_function, _stdlib_files, build_prompt  # noqa: E402
 
-from specsplit.attention import ATTENTION_NAME, RECORDER_KWARG, specsplit_attention  # noqa: E402
-from specsplit.engine_common import ModelRunner  # noqa: E402
-from specsplit.kv_cache import StaticKVCache  # noqa: E402
-from specsplit.models import load_model, load_tokenizer  # noqa: E402
-from specsplit.partial_kv import (  # noqa: E402
+from specsplit.core.tree import TokenTree  # noqa: E402
+from specsplit.core.tree_attention import build_verify_attention, chain_parents  # noqa: E402
+from specsplit.engines.partial_kv import (  # noqa: E402
     PartialSession,
     QueryRecorder,
     SpecPVConfig,
@@ -53,9 +51,11 @@ from specsplit.partial_kv import (  # noqa: E402
     score_blocks,
     select_blocks,
 )
-from specsplit.specpv import PartialVerifier  # noqa: E402
-from specsplit.tree import TokenTree  # noqa: E402
-from specsplit.tree_attention import build_verify_attention, chain_parents  # noqa: E402
+from specsplit.engines.specpv import PartialVerifier  # noqa: E402
+from specsplit.models import load_model, load_tokenizer  # noqa: E402
+from specsplit.runtime.attention import ATTENTION_NAME, RECORDER_KWARG, specsplit_attention  # noqa: E402
+from specsplit.runtime.kv_cache import StaticKVCache  # noqa: E402
+from specsplit.runtime.runner import ModelRunner  # noqa: E402
 
 
 def chain_tree(tokens: list[int]) -> TokenTree:

@@ -10,7 +10,10 @@ Quick start::
 from __future__ import annotations
 
 from specsplit.config import DraftConfig, SamplingParams, SpecSplitConfig, TargetConfig, TreeConfig
-from specsplit.draft import DraftCacheState, DraftEngine
+from specsplit.core.tree import TokenNode, TokenTree
+from specsplit.core.tree_attention import bool_mask_to_float, build_tree_attention
+from specsplit.engines.draft import DraftCacheState, DraftEngine
+from specsplit.engines.target import KVCacheState, TargetEngine
 from specsplit.errors import (
     CacheDesyncError,
     ConfigError,
@@ -22,9 +25,8 @@ from specsplit.errors import (
     TransportError,
 )
 from specsplit.generator import SpecSplitGenerator, SpecSplitOutput
-from specsplit.kv_cache import StaticKVCache
 from specsplit.local import LocalTransport
-from specsplit.target import KVCacheState, TargetEngine
+from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.telemetry import SpecStats
 from specsplit.transport import (
     DraftRequest,
@@ -34,8 +36,6 @@ from specsplit.transport import (
     VerifyRequest,
     VerifyResult,
 )
-from specsplit.tree import TokenNode, TokenTree
-from specsplit.tree_attention import bool_mask_to_float, build_tree_attention
 
 __version__ = "0.1.0"
 

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from specsplit.errors import ConfigError
-from specsplit.partial_kv import SpecPVConfig
-from specsplit.tree import (
+from specsplit.core.tree import (
     DEFAULT_STATIC_PATHS,
     StaticTreePlan,
     chain_plan,
     dynamic_level_widths,
     static_plan_from_paths,
 )
+from specsplit.engines.partial_kv import SpecPVConfig
+from specsplit.errors import ConfigError
 
 TreeShape = Literal["chain", "static", "dynamic"]
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -60,7 +60,7 @@ class TreeConfig:
             ``"dynamic"`` (EAGLE-2 style: expand the top-k children of the most probable frontier
             nodes by cumulative draft probability, within ``budget`` nodes and ``max_depth``).
         num_draft_tokens: chain length K.
-        paths: static tree paths; ``None`` uses :data:`specsplit.tree.DEFAULT_STATIC_PATHS`.
+        paths: static tree paths; ``None`` uses :data:`specsplit.core.tree.DEFAULT_STATIC_PATHS`.
         topk: dynamic tree: children proposed per expanded node.
         width: dynamic tree: frontier nodes expanded per level.
         budget: dynamic tree: maximum number of nodes.
@@ -141,11 +141,11 @@ class DraftConfig:
             and the top-k selection between them) is captured as ONE graph per tree shape and KV
             bucket, instead of one graph per level with eager selection ops in between.
         fuse_projections: rewrite the model's Llama/Qwen2 layers (in place, for every caller) to
-            compute q/k/v with one GEMM and gate/up with one (:mod:`specsplit.fused`): fewer,
+            compute q/k/v with one GEMM and gate/up with one (:mod:`specsplit.runtime.fused`): fewer,
             larger kernels per layer at batch 1; same weights, no extra memory. Off by default.
         fold_gqa: tree forwards of a GQA model attend with the group folded into the query rows,
             reading K/V once per KV head instead of copying them to every query head
-            (:mod:`specsplit.attention`; same attention, other kernels). Off: transformers' SDPA.
+            (:mod:`specsplit.runtime.attention`; same attention, other kernels). Off: transformers' SDPA.
         attention_kernel: ``"math"``: tree forwards attend through the folded matmul kernel at
             every prefix length (under CUDA graphs at short prefixes: fewer kernels a layer, no K/V
             copy per query head, no cuDNN memset; on an H100 it cut the GPU time of a dynamic-tree
@@ -154,7 +154,7 @@ class DraftConfig:
             ``"auto"`` (default): ``"math"`` with ``cuda_graphs``, else ``"sdpa"``.
         prefill_graphs: with ``cuda_graphs``, a prompt's forward (any ingest longer than a
             round's) runs over the static workspace padded to a bucket of 64, 128, 192, 256, 384,
-            ... 8192 tokens (:data:`specsplit.graphs.PREFILL_BUCKETS`) and replays one CUDA graph
+            ... 8192 tokens (:data:`specsplit.runtime.graphs.PREFILL_BUCKETS`) and replays one CUDA graph
             per bucket, captured on first use with the plain (never ``torch.compile``-d) step.
             Eager PyTorch spends tens of microseconds of host time per op on such a forward, so
             at batch 1 the host, not the GPU, sets a prompt's cost. Exact (tests compare it with

@@ -11,11 +11,11 @@ import torch
 from transformers import GenerationConfig
 
 from specsplit.config import SamplingParams, SpecSplitConfig
-from specsplit.draft import DraftEngine
+from specsplit.engines.draft import DraftEngine
+from specsplit.engines.target import TargetEngine
 from specsplit.errors import ConfigError
 from specsplit.local import LocalTransport
 from specsplit.pipeline import DecodeParams, OverlapPolicies, OverlapPolicy, decode
-from specsplit.target import TargetEngine
 from specsplit.telemetry import SpecStats
 from specsplit.transport import Transport
 

@@ -8,7 +8,7 @@ Round protocol (see DESIGN.md):
 
 1. ``draft(DraftRequest)``: the draft session ingests ``new_token_ids`` (the committed tokens it
    has not seen; ``prefix_length`` says how many it must already hold, 0 = start over with the full
-   context) and grows a :class:`~specsplit.tree.TokenTree`.
+   context) and grows a :class:`~specsplit.core.tree.TokenTree`.
 2. ``verify(VerifyRequest)``: the target runs ONE forward over ``pending_token_ids + tree``,
    verifies, keeps the KV of the accepted path and returns the accepted tokens plus one target
    token (the correction or bonus token), which becomes the next round's pending token.
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from specsplit.config import SamplingParams, TreeConfig
+from specsplit.core.tree import TokenTree
 from specsplit.telemetry import RoundStats
-from specsplit.tree import TokenTree
 
 
 @dataclass

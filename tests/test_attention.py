@@ -7,10 +7,10 @@ import torch
 from conftest import sharpen, tiny_llama
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TargetConfig, TreeConfig
-from specsplit import attention as attn
 from specsplit.config import DraftConfig
-from specsplit.engine_common import ModelRunner
-from specsplit.tree_attention import build_verify_attention
+from specsplit.core.tree_attention import build_verify_attention
+from specsplit.runtime import attention as attn
+from specsplit.runtime.runner import ModelRunner
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -194,7 +194,7 @@ def test_attention_kernel_auto_is_math_on_the_static_path_only():
     assert resolved_attention_kernel("auto", cuda_graphs=False) == "sdpa"
     assert resolved_attention_kernel("sdpa", cuda_graphs=True) == "sdpa"
     gqa = tiny_llama(3)
-    from specsplit.draft import DraftEngine
+    from specsplit.engines.draft import DraftEngine
 
     engine = {attn.ENGINE_KWARG: True}
     assert DraftEngine(gqa, DraftConfig(cuda_graphs=True)).runner.attention_kwargs == {
@@ -217,7 +217,7 @@ def test_attention_kernel_is_checked():
 
 
 def test_float_masks_have_aligned_rows():
-    from specsplit.tree_attention import MASK_ALIGN, bool_mask_to_float
+    from specsplit.core.tree_attention import MASK_ALIGN, bool_mask_to_float
 
     allowed = torch.rand(1, 1, 7, 37, generator=torch.Generator().manual_seed(0)) > 0.5
     mask = bool_mask_to_float(allowed, torch.float32)
@@ -230,7 +230,7 @@ def test_engine_sdpa_route_off_cudnn_matches_hf_generate(monkeypatch, graphs):
     """The CUDA route of engine forwards (PyTorch's memory-efficient kernel called by name, one K/V
     head per query head, mask rows MASK_ALIGN apart) run on CPU with SDPA standing in for the CUDA
     kernel: every masked forward that does not fold takes it, and the tokens equal HF generate()."""
-    from specsplit.tree_attention import MASK_ALIGN
+    from specsplit.core.tree_attention import MASK_ALIGN
 
     target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))
     ids = torch.randint(3, 200, (1, 21), generator=torch.Generator().manual_seed(4))
@@ -276,7 +276,7 @@ def test_engine_sdpa_route_falls_back_when_the_kernel_refuses(monkeypatch, caplo
     monkeypatch.setattr(attn, "_efficient_kernel", lambda q: (q.shape[-1], q.dtype) not in attn._UNSUPPORTED)
     monkeypatch.setattr(attn, "_efficient_op", refuse)
     cfg = _kernel_config(TreeConfig(shape="chain", num_draft_tokens=3), "sdpa", False)
-    with caplog.at_level("WARNING", logger="specsplit.attention"):
+    with caplog.at_level("WARNING", logger="specsplit.runtime.attention"):
         with SpecSplitGenerator(target, draft, config=cfg) as gen:
             assert torch.equal(gen.generate(ids, max_new_tokens=12, do_sample=False), want)
     assert calls == [16]  # refused once, then remembered: no further attempt
@@ -287,7 +287,7 @@ def test_engine_sdpa_route_falls_back_when_the_kernel_refuses(monkeypatch, caplo
 def test_masked_sdpa_aligns_a_mask_whose_rows_are_not(monkeypatch):
     """A mask not made by bool_mask_to_float (rows 37 apart here) reaches the kernel as an aligned
     copy with the same values; the result equals SDPA's."""
-    from specsplit.tree_attention import MASK_ALIGN
+    from specsplit.core.tree_attention import MASK_ALIGN
 
     g = torch.Generator().manual_seed(9)
     q = torch.randn(1, 4, 5, 8, generator=g)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.bench import CATEGORIES, DEFAULT_PROMPTS, SCHEMA, load_prompts
-from specsplit.bench_decoders import DECODERS
-from specsplit.bench_report import RunRecord, first_difference, rounds_to_counts, summarize
+from specsplit.bench.decoders import DECODERS
+from specsplit.bench.report import RunRecord, first_difference, rounds_to_counts, summarize
+from specsplit.bench.run import CATEGORIES, DEFAULT_PROMPTS, SCHEMA, load_prompts
 from specsplit.cli import main
 
 NOT_DRAFTING = {"hf-target", "hf-assisted-default", "hf-prompt-lookup", "specsplit-target-only"}
@@ -124,7 +124,7 @@ def test_report_names_the_weight_read_bound(smoke: tuple[dict, Path]) -> None:
     target-only decoder's share of it (faked here: CPU runs record none)."""
     import copy
 
-    from specsplit.bench_report import to_markdown
+    from specsplit.bench.report import to_markdown
 
     smoke_result = smoke[0]
     assert smoke_result["config"]["weight_read_bound"] is None
@@ -252,7 +252,7 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     """``--prefill-graphs`` (the default) reaches local engines and in-process gRPC workers, is
     recorded, keeps the tokens, and leaves decoders without CUDA graphs alone (it is part of the graph
     path); ``--no-prefill-graphs`` turns it off except in the ``-prefill`` twins (the A/B)."""
-    from specsplit.bench_decoders import build_decoders, load_models
+    from specsplit.bench.decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
     decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-chain"], k=4, cuda_graphs=True)
@@ -314,7 +314,7 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
 def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> None:
     """``--target-graph-rounds`` (the default) reaches local targets; ``--no-target-graph-rounds`` turns it
     off everywhere (same tokens) and is recorded."""
-    from specsplit.bench_decoders import build_decoders, load_models
+    from specsplit.bench.decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
     decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-target-only"], k=4, cuda_graphs=True)
@@ -345,7 +345,7 @@ def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> N
 
 def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFixture[str]) -> None:
     """The ``-compiled`` decoders run only when named, with graphs + torch.compile on both engines."""
-    from specsplit.bench_decoders import OPTIONAL_DECODERS, build_decoders, load_models
+    from specsplit.bench.decoders import OPTIONAL_DECODERS, build_decoders, load_models
 
     assert not set(OPTIONAL_DECODERS) & set(DECODERS)  # never in a default run (compiling takes minutes)
     m = load_models(tiny=True, device="cpu")
@@ -402,7 +402,7 @@ def test_grpc_decoder_runs_a_dynamic_tree_exactly() -> None:
     the dynamic tree over loopback workers) and stays exact; here eager, workers in-process."""
     import torch
 
-    from specsplit.bench_decoders import _grpc_decoder, load_models
+    from specsplit.bench.decoders import _grpc_decoder, load_models
     from specsplit.config import TreeConfig
 
     m = load_models(tiny=True, device="cpu")
@@ -445,8 +445,8 @@ def test_warmup_covers_every_prompt_for_shape_capturing_decoders() -> None:
     no capture or compile lands in a timed call; the others get one short warm-up."""
     import torch
 
-    from specsplit.bench import BenchPrompt, _measure
-    from specsplit.bench_decoders import DecodeOutput, Decoder
+    from specsplit.bench.decoders import DecodeOutput, Decoder
+    from specsplit.bench.run import BenchPrompt, _measure
 
     calls: dict[str, list[tuple[int, int]]] = {"graphs": [], "eager": []}
 
@@ -478,7 +478,7 @@ def test_smoke_compiled_decoders_stay_exact(tmp_path: Path) -> None:
 
 
 def test_dynamic_tree_option_sets_the_dynamic_decoders(capsys: pytest.CaptureFixture[str]) -> None:
-    from specsplit.bench_decoders import build_decoders, load_models
+    from specsplit.bench.decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
     decs, _ = build_decoders(m, ["specsplit-chain", "specsplit-dynamic"], k=3, dynamic_tree=(2, 3, 9, 5))
@@ -500,7 +500,7 @@ def test_fuse_projections_runs_fused_copies_for_specsplit_only(tmp_path: Path) -
     the models, the HF decoders the untouched originals; tokens stay exact and the flag is recorded."""
     import torch
 
-    from specsplit.bench_decoders import build_decoders, load_models
+    from specsplit.bench.decoders import build_decoders, load_models
 
     def fused(model: torch.nn.Module) -> int:
         return sum(getattr(mod, "_specsplit_fused", False) for mod in model.modules())

@@ -1,4 +1,4 @@
-"""Near-tie analysis of greedy mismatches (``specsplit.bench_ties``) on a tiny random Llama in bf16."""
+"""Near-tie analysis of greedy mismatches (``specsplit.bench.ties``) on a tiny random Llama in bf16."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specsplit.bench import BenchOptions, _rerender, run_bench
-from specsplit.bench_decoders import tiny_models
-from specsplit.bench_ties import TiePair, analyze_mismatches, bench_tie_analysis, fp32_copy, to_markdown
+from specsplit.bench.decoders import tiny_models
+from specsplit.bench.run import BenchOptions, _rerender, run_bench
+from specsplit.bench.ties import TiePair, analyze_mismatches, bench_tie_analysis, fp32_copy, to_markdown
 
 J = 6  # the first differing new token in the constructed pairs
 

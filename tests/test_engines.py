@@ -125,7 +125,7 @@ def test_ending_a_session_waits_for_its_running_request():
     request that was waiting for the session's lock when it ended gets SessionNotFound."""
     import threading
 
-    from specsplit.sessions import SessionStore
+    from specsplit.engines.sessions import SessionStore
 
     handed: list[tuple[str, float]] = []
     store: SessionStore[str] = SessionStore(4, 60.0, lambda sid, st: handed.append((sid, time.monotonic())))

@@ -1,4 +1,4 @@
-"""specsplit.fused: q/k/v and gate/up as one GEMM each, same model otherwise."""
+"""specsplit.runtime.fused: q/k/v and gate/up as one GEMM each, same model otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import noisy_copy, tiny_llama, tiny_qwen2
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
-from specsplit.fused import fuse_projections
+from specsplit.runtime.fused import fuse_projections
 
 PROMPT = [5, 17, 33, 81, 9, 100]
 

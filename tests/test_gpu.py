@@ -148,13 +148,13 @@ def test_captures_in_two_threads_at_once(llama_target, llama_draft_random):
     """The overlapped pipeline can capture in both threads at once (a prompt's bucket in the verify
     thread, a new KV bucket of the speculative draft in the other). A capture's set-up (a device
     sync, freeing cached blocks) in one thread invalidates a capture in progress in the other, so
-    captures hold ``specsplit.capture.CAPTURE_LOCK``: each bucket is captured once and its padded
+    captures hold ``specsplit.core.pinned.CAPTURE_LOCK``: each bucket is captured once and its padded
     forward equals the same forward without graphs."""
     import copy
     import threading
 
-    from specsplit.engine_common import ModelRunner
-    from specsplit.graphs import PREFILL_BUCKETS, StaticForward
+    from specsplit.runtime.graphs import PREFILL_BUCKETS, StaticForward
+    from specsplit.runtime.runner import ModelRunner
 
     buckets = PREFILL_BUCKETS[:6]
     ids = torch.randint(3, 256, (buckets[-1],), generator=torch.Generator().manual_seed(3))
@@ -287,9 +287,9 @@ def test_grpc_workers_cuda_graphs_exact(llama_target, llama_draft_random, shape,
     from pinned memory (``GraphedRound``). Same tokens as HF greedy, round after round."""
     import copy
 
-    from specsplit.draft import DraftEngine
+    from specsplit.engines.draft import DraftEngine
+    from specsplit.engines.target import TargetEngine
     from specsplit.remote import serve_draft, serve_target
-    from specsplit.target import TargetEngine
 
     ddev, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
@@ -324,11 +324,11 @@ def test_engine_masked_attention_is_memory_efficient_not_cudnn(llama_target):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from specsplit import attention as attn
-    from specsplit.target import TargetEngine
+    from specsplit.core.tree import TokenTree
+    from specsplit.core.tree_attention import build_verify_attention
+    from specsplit.engines.target import TargetEngine
+    from specsplit.runtime import attention as attn
     from specsplit.transport import VerifyRequest
-    from specsplit.tree import TokenTree
-    from specsplit.tree_attention import build_verify_attention
 
     g = torch.Generator(device="cuda:0").manual_seed(0)
     q = torch.randn(1, 4, 45, 16, device="cuda:0", dtype=torch.bfloat16, generator=g)
@@ -359,9 +359,9 @@ def test_grpc_target_loop_tree_slots_exact(model_dirs, ipc):
     every tree travels in the reply, same tokens."""
     from remote_support import load_saved
 
+    from specsplit.engines.target import TargetEngine
     from specsplit.remote import serve_target
     from specsplit.remote.launch import WorkerProcess
-    from specsplit.target import TargetEngine
 
     ddev, tdev = _devices()
     target_dir, draft_dir = model_dirs

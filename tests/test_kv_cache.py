@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, StaticKVCache, TreeConfig
-from specsplit.tree_attention import build_verify_attention
+from specsplit.core.tree_attention import build_verify_attention
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen"])

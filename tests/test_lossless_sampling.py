@@ -22,7 +22,7 @@ from specsplit import (
     VerifyRequest,
 )
 from specsplit.config import DraftConfig, SamplingParams
-from specsplit.sampling import logits_to_probs
+from specsplit.core.sampling import logits_to_probs
 
 V = 8
 RUNS = 20_000
@@ -123,8 +123,8 @@ def test_output_distribution_equals_target(pair, name):
 
 def test_negative_control_detects_a_lossy_verifier(pair, monkeypatch):
     """Accepting every drafted token (no rejection step) must fail the same statistical bound."""
-    import specsplit.target as target_mod
-    from specsplit.verification import verify_greedy
+    import specsplit.engines.target as target_mod
+    from specsplit.core.verification import verify_greedy
 
     target, draft = pair
 

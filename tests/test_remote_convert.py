@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("grpc")
 
 from specsplit.config import SamplingParams, TreeConfig  # noqa: E402
+from specsplit.core.tree import TokenNode, TokenTree  # noqa: E402
 from specsplit.errors import InvalidRequest  # noqa: E402
 from specsplit.remote import convert  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
@@ -25,7 +26,6 @@ from specsplit.transport import (  # noqa: E402
     WorkerInfo,
     WorkerStats,
 )
-from specsplit.tree import TokenNode, TokenTree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ROOT / "specsplit" / "remote" / "_generated"

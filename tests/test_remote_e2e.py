@@ -497,7 +497,7 @@ def test_worker_process_passes_on_the_workers_warnings(caplog: pytest.LogCapture
         "import sys, time\n"
         "print('Loading weights: 100%', file=sys.stderr, flush=True)\n"
         "print('x.py:1: UserWarning: not a log level', file=sys.stderr, flush=True)\n"
-        "print('2026-11-27 10:00:00 WARNING specsplit.graphs: workspace held', file=sys.stderr, flush=True)\n"
+        "print('2026-11-27 10:00:00 WARNING specsplit.runtime.graphs: workspace held', file=sys.stderr, flush=True)\n"
         "print('READY 1', flush=True)\n"
         "time.sleep(30)\n"
     )
@@ -517,15 +517,15 @@ def test_worker_process_passes_on_the_workers_warnings(caplog: pytest.LogCapture
         finally:
             w.stop(grace=1.0)
     forwarded = [r.message for r in caplog.records if r.name == "specsplit.remote.launch"]
-    assert forwarded == ["draft worker: 2026-11-27 10:00:00 WARNING specsplit.graphs: workspace held"]
+    assert forwarded == ["draft worker: 2026-11-27 10:00:00 WARNING specsplit.runtime.graphs: workspace held"]
 
 
 def test_serve_engine_options_reach_both_roles() -> None:
     """`specsplit serve`: graph, compile and attention flags become engine-config fields."""
     import argparse
 
+    from specsplit.cli.serve import add_cli, engine_options
     from specsplit.config import DraftConfig, TargetConfig
-    from specsplit.remote.cli import add_cli, engine_options
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command", required=True))
@@ -555,8 +555,8 @@ def test_serve_specpv_options_reach_the_config() -> None:
     """`specsplit serve target --specpv ...`: each SpecPV option lands in the served SpecPVConfig."""
     import argparse
 
+    from specsplit.cli.serve import add_cli, specpv_config
     from specsplit.errors import ConfigError
-    from specsplit.remote.cli import add_cli, specpv_config
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command", required=True))

@@ -14,6 +14,7 @@ pytest.importorskip("grpc")
 
 import grpc  # noqa: E402
 
+from specsplit.core.tree import TokenTree  # noqa: E402
 from specsplit.errors import (  # noqa: E402
     CacheDesyncError,
     ConfigError,
@@ -25,7 +26,6 @@ from specsplit.errors import (  # noqa: E402
 from specsplit.remote import GrpcTransport, serve_draft, serve_target  # noqa: E402
 from specsplit.remote.server import _SessionLocks  # noqa: E402
 from specsplit.transport import DraftRequest, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats  # noqa: E402
-from specsplit.tree import TokenTree  # noqa: E402
 
 
 class ScriptedEngine:

@@ -29,8 +29,8 @@ from specsplit import (  # noqa: E402
     TreeConfig,
     VerifyRequest,
 )
+from specsplit.core.tree import TokenTree  # noqa: E402
 from specsplit.remote import GrpcTransport  # noqa: E402
-from specsplit.tree import TokenTree  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the workers run
 

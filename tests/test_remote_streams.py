@@ -20,6 +20,7 @@ pytest.importorskip("grpc")
 
 import grpc  # noqa: E402
 
+from specsplit.core.tree import TokenTree  # noqa: E402
 from specsplit.errors import (  # noqa: E402
     CacheDesyncError,
     InvalidRequest,
@@ -39,7 +40,6 @@ from specsplit.transport import (  # noqa: E402
     WorkerInfo,
     WorkerStats,
 )
-from specsplit.tree import TokenTree  # noqa: E402
 
 
 class Engine:

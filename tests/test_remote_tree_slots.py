@@ -13,12 +13,12 @@ pytest.importorskip("grpc")
 
 from specsplit import LocalTransport, SpecSplitConfig, SpecSplitGenerator, TreeConfig  # noqa: E402
 from specsplit.config import TargetConfig  # noqa: E402
+from specsplit.core.tree import TokenTree  # noqa: E402
 from specsplit.errors import TransportError  # noqa: E402
 from specsplit.remote import GrpcTransport, convert, serve_draft, serve_target, tree_slots  # noqa: E402
 from specsplit.remote import target_loop as tl  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 from specsplit.transport import DraftRequest, DraftResult, TreeSlotRef  # noqa: E402
-from specsplit.tree import TokenTree  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""The weight-read bound (`specsplit.roofline`) and the bench's report of it."""
+"""The weight-read bound (`specsplit.bench.roofline`) and the bench's report of it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specsplit.bench import _weight_read_bound
-from specsplit.roofline import copy_bandwidth, weight_bytes, weight_read_bound
+from specsplit.bench.roofline import copy_bandwidth, weight_bytes, weight_read_bound
+from specsplit.bench.run import _weight_read_bound
 
 
 def test_weight_bytes_counts_every_parameter_once():

@@ -13,8 +13,8 @@ from transformers.generation.logits_process import (
 
 from specsplit import TokenTree
 from specsplit.config import SamplingParams
-from specsplit.sampling import logits_to_probs, sample, sample_without_replacement, truncate_top_k
-from specsplit.verification import children_table, verify_greedy, verify_stochastic
+from specsplit.core.sampling import logits_to_probs, sample, sample_without_replacement, truncate_top_k
+from specsplit.core.verification import children_table, verify_greedy, verify_stochastic
 
 
 @pytest.mark.parametrize(

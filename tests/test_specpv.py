@@ -22,10 +22,9 @@ from specsplit import (
     TokenTree,
     TreeConfig,
 )
-from specsplit.attention import ATTENTION_NAME
 from specsplit.config import DraftConfig, TargetConfig
-from specsplit.kv_cache import StaticKVCache
-from specsplit.partial_kv import (
+from specsplit.core.tree_attention import ancestor_matrix, bool_mask_to_float
+from specsplit.engines.partial_kv import (
     BlockSummaries,
     PartialSession,
     SpecPVConfig,
@@ -34,8 +33,9 @@ from specsplit.partial_kv import (
     select_blocks,
 )
 from specsplit.pipeline import DecodeParams, decode
+from specsplit.runtime.attention import ATTENTION_NAME
+from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.transport import VerifyRequest, VerifyResult
-from specsplit.tree_attention import ancestor_matrix, bool_mask_to_float
 
 VOCAB = 256
 CTX = 240  # prompt length: well above the thresholds used below
@@ -521,7 +521,7 @@ def test_retrieval_query_window_scores_with_recent_committed_rows(llama_pair, pr
 
 def test_min_margin_below_reads_only_the_deciding_rows():
     """Rows that decided a committed token: row 0 and each accepted node's row; others are ignored."""
-    from specsplit.verification import verify_greedy
+    from specsplit.core.verification import verify_greedy
 
     tree = TokenTree(  # 0 -> 1 -> 2 (chain) and a sibling 3 of node 0
         torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 1, -1]), torch.tensor([1, 2, 3, 1]), torch.zeros(4)
@@ -581,7 +581,7 @@ def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):
             state.pv.view.set_length(state.pv.view.seq_len + 1)
             broken.append(len(tr.results))
 
-    with caplog.at_level(logging.WARNING, logger="specsplit.specpv"):
+    with caplog.at_level(logging.WARNING, logger="specsplit.engines.specpv"):
         out, _, te, _ = _run(
             target, draft, prompt, _pv(full_refresh_interval=50, **FULL_VIEW), hook=corrupt, new=40
         )

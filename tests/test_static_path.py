@@ -10,7 +10,7 @@ from conftest import assert_same_sampling
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig, TargetConfig
 from specsplit.errors import ResourceExhausted
-from specsplit.graphs import StaticForward
+from specsplit.runtime.graphs import StaticForward
 
 PROMPT = [5, 17, 33, 81, 9, 100]
 
@@ -66,7 +66,7 @@ def test_sessions_beyond_the_workspace_fall_back_to_eager(llama_target):
 
 
 def test_pinned_workspace_never_reallocates(llama_target):
-    from specsplit.engine_common import ModelRunner
+    from specsplit.runtime.runner import ModelRunner
 
     sf = StaticForward(ModelRunner(llama_target, None, None, None, "auto"), 16, use_graphs=False)
     with pytest.raises(ResourceExhausted, match="graph_capacity"):
@@ -76,7 +76,7 @@ def test_pinned_workspace_never_reallocates(llama_target):
 def test_kv_buckets_follow_the_context(llama_target, llama_draft_random, monkeypatch):
     """Attention reads a power-of-two bucket covering the valid prefix, not the whole workspace:
     a generation that crosses the 256-slot bucket boundary uses two buckets and stays exact."""
-    from specsplit.graphs import kv_bucket
+    from specsplit.runtime.graphs import kv_bucket
 
     assert [kv_bucket(e, 4096) for e in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024, 4096]
     seen: set[int] = set()
@@ -138,7 +138,7 @@ def test_dynamic_round_in_one_step_equals_level_by_level(qwen_draft_random, do_s
 
 
 def test_dynamic_shape_widths():
-    from specsplit.draft import DynamicShape
+    from specsplit.engines.draft import DynamicShape
 
     assert DynamicShape(topk=2, width=5, budget=20, depth=5).widths == (2, 4, 5, 5)
     assert DynamicShape(topk=4, width=4, budget=24, depth=6).forwarded == 20

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsplit import InvalidRequest, TokenNode, TokenTree
-from specsplit.tree import DEFAULT_STATIC_PATHS, chain_plan, static_plan_from_paths
+from specsplit.core.tree import DEFAULT_STATIC_PATHS, chain_plan, static_plan_from_paths
 
 
 def _tree(tokens, parents, q=False):

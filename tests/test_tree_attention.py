@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specsplit import StaticKVCache, bool_mask_to_float, build_tree_attention
-from specsplit.tree_attention import ancestor_matrix, build_verify_attention
+from specsplit.core.tree_attention import ancestor_matrix, build_verify_attention
 
 NEG = torch.finfo(torch.float32).min
 

@@ -21,8 +21,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "pip install 'specsplit[grpc]'"
     ) from e
 
-from specsplit.engine_common import PROTOCOL_VERSION
 from specsplit.remote.client import GrpcTransport
 from specsplit.remote.server import WorkerServer, serve_draft, serve_target
+from specsplit.runtime.runner import PROTOCOL_VERSION
 
 __all__ = ["PROTOCOL_VERSION", "GrpcTransport", "WorkerServer", "serve_draft", "serve_target"]

@@ -61,7 +61,6 @@ from typing import Any
 import grpc
 
 from specsplit.config import SpecSplitConfig
-from specsplit.engine_common import PROTOCOL_VERSION
 from specsplit.errors import (
     CacheDesyncError,
     ConfigError,
@@ -74,6 +73,7 @@ from specsplit.errors import (
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+from specsplit.runtime.runner import PROTOCOL_VERSION
 from specsplit.transport import (
     DraftRequest,
     DraftResult,

@@ -2,7 +2,7 @@
 
 Everything above this module speaks the dataclasses of :mod:`specsplit.transport`; everything
 below it speaks the messages of ``proto/specsplit/v1/spec_decoding.proto``. Trees are converted
-field by field between the flat BFS tensors of :class:`~specsplit.tree.TokenTree` and the packed
+field by field between the flat BFS tensors of :class:`~specsplit.core.tree.TokenTree` and the packed
 repeated fields of ``specsplit.v1.TokenTree`` (see the mapping comment in the .proto file), so a
 round trip is exact: int64 ids stay int64 and float32 probabilities stay bit-identical.
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specsplit.config import SamplingParams, TreeConfig, TreeShape
+from specsplit.core.tree import TokenTree
 from specsplit.errors import ConfigError, InvalidRequest
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.telemetry import RoundStats
@@ -36,7 +37,6 @@ from specsplit.transport import (
     WorkerInfo,
     WorkerStats,
 )
-from specsplit.tree import TokenTree
 
 _SHAPE_TO_PB: dict[TreeShape, pb.TreeShape] = {
     "chain": pb.TREE_SHAPE_CHAIN,

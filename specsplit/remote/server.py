@@ -227,7 +227,7 @@ class _Handler:
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
-    """``DraftService`` over a :class:`specsplit.draft.DraftEngine`."""
+    """``DraftService`` over a :class:`specsplit.engines.draft.DraftEngine`."""
 
     def __init__(self, engine: Any, limits: ServerLimits | None = None, max_streams: int = 4):
         self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams)
@@ -279,7 +279,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    """``TargetService`` over a :class:`specsplit.target.TargetEngine`.
+    """``TargetService`` over a :class:`specsplit.engines.target.TargetEngine`.
 
     Args:
         engine: the target engine.
@@ -523,7 +523,7 @@ def serve_draft(
     auth_token: str | None = None,
     limits: ServerLimits | None = None,
 ) -> WorkerServer:
-    """Serve a :class:`~specsplit.draft.DraftEngine` (loaded) over gRPC and return at once.
+    """Serve a :class:`~specsplit.engines.draft.DraftEngine` (loaded) over gRPC and return at once.
 
     Args:
         engine: the engine; the caller keeps ownership.
@@ -568,7 +568,7 @@ def serve_target(
     draft_streams: bool = True,
     tree_slots: bool = True,
 ) -> WorkerServer:
-    """Serve a :class:`~specsplit.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
+    """Serve a :class:`~specsplit.engines.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
 
     The tree limits and ``max_context`` come from the engine's :class:`~specsplit.config.TargetConfig`.
 

@@ -59,7 +59,7 @@ class TargetLoopTransport:
     unless the slots were granted less than ``_RESHARE_S`` ago.
 
     Args:
-        engine: the worker's :class:`~specsplit.target.TargetEngine`.
+        engine: the worker's :class:`~specsplit.engines.target.TargetEngine`.
         draft: client of the draft worker, or ``None`` (every generation is target-only).
         clamp_capacity: the worker's clamp of capacity hints to its ``max_context``.
         tree_slots: use tree slots where possible (``specsplit serve target --tree-ipc``).

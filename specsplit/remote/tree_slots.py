@@ -48,11 +48,11 @@ from pathlib import Path
 
 import torch
 
+from specsplit.core.tree import TokenTree
+from specsplit.core.tree_attention import ancestor_matrix
 from specsplit.errors import TransportError
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.transport import TreeSlotRef
-from specsplit.tree import TokenTree
-from specsplit.tree_attention import ancestor_matrix
 
 logger = logging.getLogger(__name__)
 

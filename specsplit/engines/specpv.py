@@ -1,6 +1,6 @@
 """SpecPV switching policy: the strategy the TargetEngine calls around its verify forward.
 
-Per session (state in :class:`~specsplit.partial_kv.PartialSession`):
+Per session (state in :class:`~specsplit.engines.partial_kv.PartialSession`):
 
 1. Context (cached + backlog + pending tokens) below ``partial_threshold``: full verification,
    exactly the engine's normal forward.
@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from specsplit.attention import RECORDER_KWARG
-from specsplit.attention import install as install_attention
-from specsplit.engine_common import ModelRunner, h2d
-from specsplit.kv_cache import StaticKVCache
-from specsplit.partial_kv import PartialSession, QueryRecorder, SpecPVConfig
-from specsplit.tree import TokenTree
-from specsplit.tree_attention import build_verify_attention
+from specsplit.core.tree import TokenTree
+from specsplit.core.tree_attention import build_verify_attention
+from specsplit.engines.partial_kv import PartialSession, QueryRecorder, SpecPVConfig
+from specsplit.runtime.attention import RECORDER_KWARG
+from specsplit.runtime.attention import install as install_attention
+from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.runner import ModelRunner, h2d
 
 logger = logging.getLogger(__name__)
 

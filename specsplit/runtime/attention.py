@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import torch
 
-from specsplit.tree_attention import MASK_ALIGN, aligned_zeros
+from specsplit.core.tree_attention import MASK_ALIGN, aligned_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def masked_sdpa(
     (broadcastable to `[b, h, q, kv]`); `[b, h, q, d]` out.
 
     On CUDA with :data:`AVOID_CUDNN` this is the memory-efficient kernel, called by name (see the
-    module docstring), with the mask's rows :data:`~specsplit.tree_attention.MASK_ALIGN` apart
+    module docstring), with the mask's rows :data:`~specsplit.core.tree_attention.MASK_ALIGN` apart
     (a copy only when they are not); elsewhere ``scaled_dot_product_attention``.
     """
     if not _efficient_kernel(query):

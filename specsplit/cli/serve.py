@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specsplit.cli import add_model_kernel_flags, check_kernel_flags
+from specsplit.cli.main import add_model_kernel_flags, check_kernel_flags
 
 if TYPE_CHECKING:
     import torch
@@ -136,8 +136,8 @@ def _read_token(file: str | None, env: str, flag: str) -> str | None:
 
 
 def _load(args: argparse.Namespace) -> torch.nn.Module:
-    from specsplit.engine_common import default_device, resolve_dtype
     from specsplit.models import load_model
+    from specsplit.runtime.runner import default_device, resolve_dtype
 
     device = args.device or str(default_device())
     return load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
@@ -145,7 +145,7 @@ def _load(args: argparse.Namespace) -> torch.nn.Module:
 
 def specpv_config(args: argparse.Namespace) -> Any:
     """The target's ``SpecPVConfig`` from the ``--specpv*`` options (defaults where not given)."""
-    from specsplit.partial_kv import SpecPVConfig
+    from specsplit.engines.partial_kv import SpecPVConfig
 
     given = {
         "partial_threshold": args.specpv_threshold,
@@ -226,13 +226,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     engine: object
     if args.role == "draft":
-        from specsplit.draft import DraftEngine
+        from specsplit.engines.draft import DraftEngine
 
         extra = {"q_top_k": args.q_top_k} if args.q_top_k is not None else {}
         dcfg = DraftConfig(model=args.model, device=args.device, dtype=args.dtype, **common, **extra)
         engine = DraftEngine(_load(args), config=dcfg)
     else:
-        from specsplit.target import TargetEngine
+        from specsplit.engines.target import TargetEngine
 
         pv = specpv_config(args)
         tcfg = TargetConfig(

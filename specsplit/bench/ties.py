@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specsplit.bench_report import first_difference
+from specsplit.bench.report import first_difference
 
 logger = logging.getLogger(__name__)
 
@@ -416,7 +416,7 @@ def bench_tie_analysis(
     """The bench's hook: analyse every decoder's first-repeat output against ``baseline``'s.
 
     Args:
-        models: :class:`specsplit.bench_decoders.BenchModels` (``target``, ``tokenizer``, ``dtype``).
+        models: :class:`specsplit.bench.decoders.BenchModels` (``target``, ``tokenizer``, ``dtype``).
         prompts: the bench prompts (``id``, ``input_ids``).
         tokens: ``{(decoder, prompt id): new tokens}``.
         baseline: the reference decoder's name.

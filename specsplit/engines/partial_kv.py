@@ -2,7 +2,7 @@
 
 Long-context verification reads the whole KV cache in every layer; SpecPV (opt-in, lossy) verifies
 against a small *partial view* of it instead and rectifies with a periodic full verification
-(the switching policy lives in :mod:`specsplit.specpv`).
+(the switching policy lives in :mod:`specsplit.engines.specpv`).
 
 Vocabulary:
 
@@ -23,10 +23,10 @@ Vocabulary:
 
 Keys are cached post-RoPE, so any subset of them can be attended without re-rotation; queries keep
 their true absolute positions. The view is one contiguous ``[batch, kv_heads, budget, head_dim]``
-buffer per layer held in a :class:`~specsplit.kv_cache.StaticKVCache`, so a partial forward is an
+buffer per layer held in a :class:`~specsplit.runtime.kv_cache.StaticKVCache`, so a partial forward is an
 ordinary cached forward over that cache (the model's ``past_key_values.update`` returns the view).
 The post-RoPE queries come from a custom attention function registered through transformers'
-``AttentionInterface`` (:mod:`specsplit.attention`) that records them on demand.
+``AttentionInterface`` (:mod:`specsplit.runtime.attention`) that records them on demand.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from specsplit.errors import ConfigError
-from specsplit.kv_cache import StaticKVCache
+from specsplit.runtime.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
 

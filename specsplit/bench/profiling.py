@@ -15,7 +15,7 @@ the verify call) and reduces the trace with :func:`analyze_trace` to, per round:
 
 The profiler slows the host down, so idle times are upper bounds; GPU times are not affected.
 
-    from specsplit.profiling import round_timeline
+    from specsplit.bench.profiling import round_timeline
     summary = round_timeline(generator, input_ids, max_new_tokens=128)
     print(format_summary(summary))
 """

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.sampling import exponential_noise
-from specsplit.tree import TokenTree
+from specsplit.core.sampling import exponential_noise
+from specsplit.core.tree import TokenTree
 
 
 @dataclass

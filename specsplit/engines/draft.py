@@ -16,7 +16,18 @@ from dataclasses import astuple, dataclass
 import torch
 
 from specsplit.config import DraftConfig, SamplingParams, TreeConfig, resolved_attention_kernel
-from specsplit.engine_common import (
+from specsplit.core.sampling import (
+    logits_to_probs,
+    make_generator,
+    sample_without_replacement,
+    truncate_top_k,
+)
+from specsplit.core.tree import StaticTreePlan, TokenTree, dynamic_level_widths
+from specsplit.core.tree_attention import ancestor_matrix, bool_mask_to_float, build_verify_attention
+from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
+from specsplit.runtime.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
+from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.runner import (
     PROTOCOL_VERSION,
     ModelRunner,
     desync_error,
@@ -24,18 +35,7 @@ from specsplit.engine_common import (
     make_store,
     sync_device,
 )
-from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
-from specsplit.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
-from specsplit.kv_cache import StaticKVCache
-from specsplit.sampling import (
-    logits_to_probs,
-    make_generator,
-    sample_without_replacement,
-    truncate_top_k,
-)
 from specsplit.transport import DraftRequest, DraftResult, WorkerInfo, WorkerStats
-from specsplit.tree import StaticTreePlan, TokenTree, dynamic_level_widths
-from specsplit.tree_attention import ancestor_matrix, bool_mask_to_float, build_verify_attention
 
 logger = logging.getLogger(__name__)
 

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    for modname in ("specsplit.models", "specsplit.remote.cli", "specsplit.bench"):
+    for modname in ("specsplit.cli.models", "specsplit.cli.serve", "specsplit.bench.run"):
         try:
             mod = __import__(modname, fromlist=["add_cli"])
         except ImportError as e:  # optional parts (grpc extra) may be missing

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from specsplit.capture import CAPTURE_LOCK, empty_pinned
-from specsplit.engine_common import ModelRunner, h2d
-from specsplit.kv_cache import StaticKVCache
-from specsplit.tree_attention import ancestor_matrix
+from specsplit.core.pinned import CAPTURE_LOCK, empty_pinned
+from specsplit.core.tree_attention import ancestor_matrix
+from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.runner import ModelRunner, h2d
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class StaticForward:
 
     def _capture(self, b: _Buffers) -> None:
         # Capture on the model's own device (it need not be the current one). CAPTURE_LOCK: no other
-        # thread captures or pins host memory meanwhile (specsplit.capture).
+        # thread captures or pins host memory meanwhile (specsplit.core.pinned).
         with CAPTURE_LOCK, torch.cuda.device(self.device):
             self._capture_here(b)
 
@@ -336,7 +336,7 @@ class GraphedRound:
             return False
         if self._stage is None:
             # Pinned on first use, not at construction: only callers with host arguments need it, and
-            # never while another thread captures a graph (specsplit.capture).
+            # never while another thread captures a graph (specsplit.core.pinned).
             self._stage = empty_pinned(self._packed.numel(), torch.long)
             self._stage_np = self._stage.numpy()
         elif self._staged is not None:
@@ -362,7 +362,7 @@ class GraphedRound:
         if not self.static.use_graphs:
             return self.fn(*self.inputs)
         if self.graph is None:
-            with CAPTURE_LOCK, torch.cuda.device(self.static.device):  # see specsplit.capture
+            with CAPTURE_LOCK, torch.cuda.device(self.static.device):  # see specsplit.core.pinned
                 self._capture()
         assert self.graph is not None
         with torch.cuda.device(self.static.device):

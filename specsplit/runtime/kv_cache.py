@@ -14,7 +14,7 @@ import logging
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specsplit.capture import pin
+from specsplit.core.pinned import pin
 
 logger = logging.getLogger(__name__)
 

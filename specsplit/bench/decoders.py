@@ -129,15 +129,15 @@ class BenchModels:
         self.overlap_draft_device = device
 
     def use_fused_projections(self) -> int:
-        """SpecSplit decoders get copies of the models with q/k/v and gate/up fused (:mod:`specsplit.fused`).
+        """SpecSplit decoders get copies of the models with q/k/v and gate/up fused (:mod:`specsplit.runtime.fused`).
 
         The HF decoders keep the originals, so the baseline and the exact-match oracle stay
         transformers' own code path. A ``self:N`` draft is cut from the fused target copy (it shares
         its weights); the overlapped decoders' draft copy, used by SpecSplit only, is fused in place.
         Costs one more copy of each model on its device. Returns how many modules were fused.
         """
-        from specsplit.fused import fuse_projections
-        from specsplit.self_draft import truncated_draft
+        from specsplit.models.self_draft import truncated_draft
+        from specsplit.runtime.fused import fuse_projections
 
         if self.fused:
             return 0
@@ -253,7 +253,7 @@ def load_models(
         names = ("tiny-llama-random", "tiny-llama-random+noise")
         return BenchModels(tiny_target, tiny_draft, None, *names, "float32", device, draft_device, [2], 0)
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, load_tokenizer
-    from specsplit.self_draft import truncated_draft
+    from specsplit.models.self_draft import truncated_draft
 
     draft_name = draft_name or (DEFAULT_DRAFT if target_name in (None, DEFAULT_TARGET) else "")
     target_name = target_name or DEFAULT_TARGET
@@ -432,9 +432,9 @@ def _grpc_decoder(
     except ImportError as e:
         return f"specsplit.remote is not importable ({e})"
     from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig
-    from specsplit.draft import DraftEngine
+    from specsplit.engines.draft import DraftEngine
+    from specsplit.engines.target import TargetEngine
     from specsplit.generator import SpecSplitGenerator
-    from specsplit.target import TargetEngine
 
     if processes and m.tokenizer is not None and not m.draft_name.startswith("self:"):
         extra = (["--cuda-graphs"] if graphs else []) + (["--compile"] if compile else [])

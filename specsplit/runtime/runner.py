@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from specsplit.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
-from specsplit.attention import install as install_attention
-from specsplit.capture import pin
+from specsplit.core.pinned import pin
+from specsplit.engines.sessions import SessionStore
 from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
-from specsplit.kv_cache import StaticKVCache
-from specsplit.sessions import SessionStore
+from specsplit.runtime.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
+from specsplit.runtime.attention import install as install_attention
+from specsplit.runtime.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,11 @@ class ModelRunner:
         model_name: alias / directory / HF id (used when ``model`` is None).
         device, device_map, dtype: placement (see the engine configs).
         fold_gqa: forwards fold a GQA model's head groups into the query rows
-            (:mod:`specsplit.attention`).
-        fuse_projections: fuse q/k/v and gate/up into one GEMM each (:mod:`specsplit.fused`),
+            (:mod:`specsplit.runtime.attention`).
+        fuse_projections: fuse q/k/v and gate/up into one GEMM each (:mod:`specsplit.runtime.fused`),
             in place, once the model is placed.
         attention_kernel: ``"math"``: tree forwards attend through the folded matmul kernel at any
-            prefix length (:mod:`specsplit.attention`); ``"sdpa"``: only from long prefixes on.
+            prefix length (:mod:`specsplit.runtime.attention`); ``"sdpa"``: only from long prefixes on.
     """
 
     def __init__(
@@ -124,13 +124,13 @@ class ModelRunner:
         math = self._attention_kernel == "math"
         fold: bool | str = "math" if math else (self._fold_gqa and gqa_group(model) > 1)
         # On CUDA the attention function also keeps the engines' masked SDPA off cuDNN (a plan build
-        # per new prompt length and thread: specsplit.attention); elsewhere a model that neither
+        # per new prompt length and thread: specsplit.runtime.attention); elsewhere a model that neither
         # folds nor uses the math kernel keeps its own attention.
         cuda = self.input_device.type == "cuda" and AVOID_CUDNN
         if (fold or cuda) and install_attention(model, allow_from=("sdpa",)):
             self.attention_kwargs = {ENGINE_KWARG: True, FOLD_KWARG: fold}
         if self._fuse:
-            from specsplit.fused import fuse_projections
+            from specsplit.runtime.fused import fuse_projections
 
             logger.info("fused the projections of %d modules", fuse_projections(model))
 
@@ -160,7 +160,7 @@ class ModelRunner:
             logits_to_keep: how many trailing rows of logits to compute, or a `[k]` int64 tensor
                 of the rows.
             **attention_kwargs: passed through the model to its attention function (e.g. the
-                SpecPV query recorder, see :mod:`specsplit.partial_kv`).
+                SpecPV query recorder, see :mod:`specsplit.engines.partial_kv`).
 
         Returns:
             `[logits_to_keep, vocab]` (or `[k, vocab]`) logits (on the output device).

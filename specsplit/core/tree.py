@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsplit.capture import pin
+from specsplit.core.pinned import pin
 from specsplit.errors import InvalidRequest
 
 # A sensible default static tree (16 nodes, depth 5): wide near the root where the draft is least

@@ -6,7 +6,7 @@ or by recursive rejection sampling, read the outcome with one host copy, and kee
 accepted path (a copy of the accepted tree positions only, none at all for a chain).
 
 With ``config.specpv.enabled`` the forward and the KV bookkeeping of each round go through a
-:class:`~specsplit.specpv.PartialVerifier` (SpecPV partial verification for long contexts, lossy,
+:class:`~specsplit.engines.specpv.PartialVerifier` (SpecPV partial verification for long contexts, lossy,
 opt-in). SpecPV sessions always take the eager path: CUDA graphs and SpecPV are exclusive for now.
 """
 
@@ -20,7 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.config import SamplingParams, TargetConfig, resolved_attention_kernel
-from specsplit.engine_common import (
+from specsplit.core.sampling import logits_to_probs, make_generator
+from specsplit.core.tree import TokenTree
+from specsplit.core.tree_attention import ancestor_matrix, build_verify_attention
+from specsplit.core.verification import VerifyOutcome, verify_greedy, verify_stochastic
+from specsplit.engines.partial_kv import PartialSession
+from specsplit.engines.specpv import PartialVerifier, SpecPVStats
+from specsplit.errors import CacheDesyncError, InvalidRequest, ResourceExhausted, SessionNotFound
+from specsplit.runtime.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
+from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.runner import (
     PROTOCOL_VERSION,
     ModelRunner,
     check_capacity,
@@ -29,16 +38,7 @@ from specsplit.engine_common import (
     make_store,
     sync_device,
 )
-from specsplit.errors import CacheDesyncError, InvalidRequest, ResourceExhausted, SessionNotFound
-from specsplit.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
-from specsplit.kv_cache import StaticKVCache
-from specsplit.partial_kv import PartialSession
-from specsplit.sampling import logits_to_probs, make_generator
-from specsplit.specpv import PartialVerifier, SpecPVStats
 from specsplit.transport import VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
-from specsplit.tree import TokenTree
-from specsplit.tree_attention import ancestor_matrix, build_verify_attention
-from specsplit.verification import VerifyOutcome, verify_greedy, verify_stochastic
 
 logger = logging.getLogger(__name__)
 

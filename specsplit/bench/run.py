@@ -1,6 +1,6 @@
 """``specsplit bench``: Hugging Face baselines and SpecSplit decoders on the same prompts, in one process.
 
-Every decoder (listed in :mod:`specsplit.bench_decoders`: HF ``generate()``, HF assisted generation,
+Every decoder (listed in :mod:`specsplit.bench.decoders`: HF ``generate()``, HF assisted generation,
 HF prompt lookup, SpecSplit target-only / chain / static tree / dynamic tree, SpecSplit over gRPC)
 gets the same prompts (chat template applied), the same greedy ``GenerationConfig`` (``do_sample=False``,
 ``max_new_tokens``, EOS and pad ids) and the same loaded model objects.
@@ -8,7 +8,7 @@ gets the same prompts (chat template applied), the same greedy ``GenerationConfi
 The loop is repeat -> prompt -> decoder, so slow drifts of a shared machine hit every decoder alike;
 each decoder is warmed up once before timing (one that captures CUDA graphs or compiles: on every
 prompt, since each KV bucket's graph is made on first use); CUDA devices are synchronised before and after each
-timed call. Results go to ``<out>/<machine>-<date>.{json,md,png}`` (see :mod:`specsplit.bench_report`).
+timed call. Results go to ``<out>/<machine>-<date>.{json,md,png}`` (see :mod:`specsplit.bench.report`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from specsplit.bench_decoders import (
+from specsplit.bench.decoders import (
     ALL_DECODERS,
     ASSISTED,
     BASELINE,
@@ -39,7 +39,7 @@ from specsplit.bench_decoders import (
     build_decoders,
     load_models,
 )
-from specsplit.bench_report import (
+from specsplit.bench.report import (
     RunRecord,
     first_difference,
     machine_info,
@@ -49,7 +49,7 @@ from specsplit.bench_report import (
     to_markdown,
     write_plot,
 )
-from specsplit.roofline import copy_bandwidth, weight_read_bound
+from specsplit.bench.roofline import copy_bandwidth, weight_read_bound
 
 logger = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         "summary": summarize(records, names, categories, BASELINE, ASSISTED),
         "runs": [asdict(r) for r in records],
     }
-    from specsplit.bench_ties import bench_tie_analysis  # greedy mismatches: near-ties or not?
+    from specsplit.bench.ties import bench_tie_analysis  # greedy mismatches: near-ties or not?
 
     ties = bench_tie_analysis(models, prompts, new_tokens, BASELINE, opts.tie_analysis)
     if ties is not None:
@@ -428,7 +428,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
 
 def _markdown(result: dict[str, Any]) -> str:
     """The report's markdown, with the near-tie analysis section when the run has one."""
-    from specsplit.bench_ties import to_markdown as ties_markdown
+    from specsplit.bench.ties import to_markdown as ties_markdown
 
     return to_markdown(result) + ties_markdown(result.get("tie_analysis"))
 
@@ -506,7 +506,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--fuse-projections",
         action="store_true",
         help="every SpecSplit decoder, local or a gRPC worker, runs copies of the models with q/k/v and "
-        "gate/up fused into one GEMM each (specsplit.fused, `specsplit serve --fuse-projections`); the HF "
+        "gate/up fused into one GEMM each (specsplit.runtime.fused, `specsplit serve --fuse-projections`); the HF "
         "decoders keep the originals. Costs one more copy of each model",
     )
     p.add_argument(

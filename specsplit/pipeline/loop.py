@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specsplit.config import SamplingParams, TreeConfig
+from specsplit.core.tree import TokenTree
 from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, TransportError
 from specsplit.telemetry import RoundStats, SpecStats
 from specsplit.transport import (
@@ -30,7 +31,6 @@ from specsplit.transport import (
     VerifyRequest,
     VerifyResult,
 )
-from specsplit.tree import TokenTree
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The benchmark harness behind ``specsplit bench`` (optional: ``import specsplit`` never loads it)."""

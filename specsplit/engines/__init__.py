@@ -1,0 +1,1 @@
+"""The draft and target engines: sessions, tree growth, verification, drafters."""
