@@ -30,12 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specsplit.bench.report import pyplot  # noqa: E402
-from specsplit.config import DraftConfig, SamplingParams, TreeConfig  # noqa: E402
+from specsplit.config import DraftConfig, EngineTuning, SamplingParams, TreeConfig  # noqa: E402
 from specsplit.engines.draft import DraftEngine  # noqa: E402
+from specsplit.messages import DraftRequest  # noqa: E402
 from specsplit.runtime.fused import fuse_projections  # noqa: E402
 from specsplit.runtime.graphs import StaticForward  # noqa: E402
 from specsplit.runtime.runner import ModelRunner  # noqa: E402
-from specsplit.transport import DraftRequest  # noqa: E402
 
 # Qwen2.5-Coder-0.5B / 1.5B-Instruct shapes (their config.json).
 SHAPES = {
@@ -108,7 +108,10 @@ def round_row(
     model: Any, compile: bool, device: torch.device, shape: tuple[int, int, int, int]
 ) -> dict[str, Any]:
     eng = DraftEngine(
-        model, DraftConfig(device=str(device), cuda_graphs=True, graph_capacity=512, compile=compile)
+        model,
+        DraftConfig(
+            device=str(device), cuda_graphs=True, compile=compile, tuning=EngineTuning(graph_capacity=512)
+        ),
     )
     topk, width, budget, depth = shape
     tree = TreeConfig("dynamic", topk=topk, width=width, budget=budget, max_depth=depth)

@@ -50,13 +50,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specsplit.bench.report import pyplot  # noqa: E402
-from specsplit.config import DraftConfig, TargetConfig, TreeConfig  # noqa: E402
+from specsplit.config import (  # noqa: E402
+    DraftConfig,
+    EngineTuning,
+    SpecPVConfig,  # noqa: E402
+    TargetConfig,
+    TreeConfig,
+)
 from specsplit.core.tree import TokenTree  # noqa: E402
 from specsplit.engines.draft import DraftEngine  # noqa: E402
-from specsplit.engines.partial_kv import SpecPVConfig  # noqa: E402
 from specsplit.engines.target import TargetEngine  # noqa: E402
+from specsplit.messages import DraftRequest, VerifyRequest  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
-from specsplit.transport import DraftRequest, VerifyRequest  # noqa: E402
 
 TREES = {
     "chain4": TreeConfig(shape="chain", num_draft_tokens=4),
@@ -631,7 +636,9 @@ def main() -> int:
     draft = DraftEngine(
         draft_model,
         DraftConfig(
-            max_context=tcfg["max_context"], session_ttl_s=7 * 86400.0, fold_gqa=not args.no_fold_gqa
+            max_context=tcfg["max_context"],
+            session_ttl_s=7 * 86400.0,
+            tuning=EngineTuning(fold_gqa=not args.no_fold_gqa),
         ),
     )
     rows: list[dict[str, Any]] = []

@@ -48,7 +48,7 @@ CASES = ("new length", "same length, same thread", "same length, new thread")
 
 def _first_round(draft: Any, target: Any, prompt: list[int], tree: Any, sync: Any) -> tuple[float, float]:
     """One prompt's first round on fresh sessions: (draft call ms, verify call ms)."""
-    from specsplit.transport import DraftRequest, VerifyRequest
+    from specsplit.messages import DraftRequest, VerifyRequest
 
     sid = uuid.uuid4().hex
     cap = len(prompt) + 160
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def use(route: str) -> None:
         attention.AVOID_CUDNN = route != "cudnn-allowed"
-        draft.config.prefill_graphs = target.config.prefill_graphs = route == "prefill-graphs"
+        draft.config.tuning.prefill_graphs = target.config.tuning.prefill_graphs = route == "prefill-graphs"
 
     draft.load_model()
     target.load_model()

@@ -48,8 +48,7 @@ sys.path.insert(0, str(ROOT))
 from specsplit.config import SamplingParams, TreeConfig  # noqa: E402
 from specsplit.core.tree import TokenTree  # noqa: E402
 from specsplit.local import LocalTransport  # noqa: E402
-from specsplit.runtime.runner import PROTOCOL_VERSION  # noqa: E402
-from specsplit.transport import (  # noqa: E402
+from specsplit.messages import (  # noqa: E402
     DraftRequest,
     DraftResult,
     VerifyRequest,
@@ -57,6 +56,7 @@ from specsplit.transport import (  # noqa: E402
     WorkerInfo,
     WorkerStats,
 )
+from specsplit.remote.protocol import PROTOCOL_VERSION  # noqa: E402
 
 VOCAB = 151_936  # Qwen2.5 vocabulary: realistic id magnitudes (3-byte varints)
 KQ = 32

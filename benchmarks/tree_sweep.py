@@ -36,7 +36,7 @@ from specsplit.bench.decoders import load_models
 from specsplit.bench.profiling import format_summary, round_timeline
 from specsplit.bench.report import pyplot
 from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
 
 DEFAULT_SHAPES = (
     "target;chain:4;dynamic:4,4,24,4;dynamic:4,4,24,5;dynamic:4,4,24,6;dynamic:4,4,24,7;dynamic:8,4,24,6"
@@ -82,7 +82,7 @@ def run_shape(
 ) -> dict:
     if tree is not None:
         gen.config.tree = tree
-    gen.transport.target_engine.config.graph_rounds = "target-rounds" in (flags or set())
+    gen.transport.target_engine.config.tuning.graph_rounds = "target-rounds" in (flags or set())
     kw: dict[str, Any] = dict(max_new_tokens=a.max_new_tokens, eos_token_id=[], return_dict_in_generate=True)
     for p in prompts:  # warm-up: every prompt at full length (captures, compiles)
         gen.generate(torch.tensor([p.input_ids]), **kw)
@@ -157,13 +157,13 @@ def main() -> None:
             cuda_graphs=graphs,
             compile=a.compile,
             fuse_projections=a.fuse,
-            attention_kernel=a.attention_kernel,
+            tuning=EngineTuning(attention_kernel=a.attention_kernel),
         ),
         target=TargetConfig(
             cuda_graphs=graphs,
             compile=a.compile,
             fuse_projections=a.fuse,
-            attention_kernel=a.attention_kernel,
+            tuning=EngineTuning(attention_kernel=a.attention_kernel),
         ),
     )
     rows = []

@@ -12,7 +12,7 @@ import time
 import torch
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
 from specsplit.models import load_model, load_tokenizer
 from specsplit.models.self_draft import truncated_draft
 
@@ -49,7 +49,10 @@ def main() -> None:
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=a.tree),
         draft=DraftConfig(
-            device=ddev, cuda_graphs=a.cuda_graphs, compile=a.compile, graph_rounds=not a.levels
+            device=ddev,
+            cuda_graphs=a.cuda_graphs,
+            compile=a.compile,
+            tuning=EngineTuning(graph_rounds=not a.levels),
         ),
         target=TargetConfig(device=a.device, cuda_graphs=a.cuda_graphs, compile=a.compile),
     )

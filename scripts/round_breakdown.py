@@ -26,7 +26,7 @@ from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.bench.decoders import load_models
 from specsplit.bench.profiling import format_summary, host_times, round_timeline
 from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts, tokenize_prompts
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
 
 
 def main() -> None:
@@ -48,7 +48,10 @@ def main() -> None:
             tree=TreeConfig(shape="dynamic", topk=4, width=4, budget=24, max_depth=5),
             draft=DraftConfig(cuda_graphs=True, compile=compile_, fuse_projections=fuse),
             target=TargetConfig(
-                cuda_graphs=True, compile=compile_, graph_rounds=rounds_on, fuse_projections=fuse
+                cuda_graphs=True,
+                compile=compile_,
+                fuse_projections=fuse,
+                tuning=EngineTuning(graph_rounds=rounds_on),
             ),
         )
         gen = SpecSplitGenerator(m.target, draft, tokenizer=m.tokenizer, config=cfg)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import noisy_copy, tiny_llama  # noqa: E402
 
 from specsplit import DraftConfig, SpecSplitConfig, SpecSplitGenerator, TargetConfig, TreeConfig  # noqa: E402
+from specsplit.config import EngineTuning  # noqa: E402
 from specsplit.runtime import graphs as graphs_mod  # noqa: E402
 from specsplit.runtime.runner import ModelRunner  # noqa: E402
 
@@ -98,8 +99,10 @@ def count(shape: str, new_tokens: int, seed: int, noise: float, target_rounds: b
     target = tiny_llama(seed)
     draft = noisy_copy(target, noise, seed + 1)
     cfg = SpecSplitConfig(
-        draft=DraftConfig(cuda_graphs=True, graph_capacity=512),
-        target=TargetConfig(cuda_graphs=True, graph_capacity=512, graph_rounds=target_rounds),
+        draft=DraftConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)),
+        target=TargetConfig(
+            cuda_graphs=True, tuning=EngineTuning(graph_capacity=512, graph_rounds=target_rounds)
+        ),
         tree=TREES[shape],
     )
     counter = OpCounter()

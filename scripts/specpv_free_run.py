@@ -27,13 +27,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from long_context import PREFILL_CHUNK, TREES, build_prompt, decode_from  # noqa: E402
 
-from specsplit.config import DraftConfig, TargetConfig  # noqa: E402
+from specsplit.config import (  # noqa: E402
+    DraftConfig,
+    SpecPVConfig,  # noqa: E402
+    TargetConfig,
+)
 from specsplit.engines.draft import DraftEngine  # noqa: E402
-from specsplit.engines.partial_kv import SpecPVConfig  # noqa: E402
 from specsplit.engines.specpv import PartialVerifier  # noqa: E402
 from specsplit.engines.target import TargetEngine  # noqa: E402
+from specsplit.messages import DraftRequest  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
-from specsplit.transport import DraftRequest  # noqa: E402
 
 
 def main() -> int:

@@ -15,7 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specsplit.engines.partial_kv import PartialSession, SpecPVConfig  # noqa: E402
+from specsplit.config import SpecPVConfig
+from specsplit.engines.partial_kv import PartialSession  # noqa: E402
 from specsplit.runtime.kv_cache import StaticKVCache  # noqa: E402
 
 

@@ -9,7 +9,8 @@ Quick start::
 
 from __future__ import annotations
 
-from specsplit.config import DraftConfig, SamplingParams, SpecSplitConfig, TargetConfig, TreeConfig
+from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig, TreeConfig
+from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenNode, TokenTree
 from specsplit.core.tree_attention import bool_mask_to_float, build_tree_attention
 from specsplit.engines.draft import DraftCacheState, DraftEngine
@@ -26,16 +27,10 @@ from specsplit.errors import (
 )
 from specsplit.generator import SpecSplitGenerator, SpecSplitOutput
 from specsplit.local import LocalTransport
+from specsplit.messages import DraftRequest, DraftResult, VerificationResult, VerifyRequest, VerifyResult
 from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.telemetry import SpecStats
-from specsplit.transport import (
-    DraftRequest,
-    DraftResult,
-    Transport,
-    VerificationResult,
-    VerifyRequest,
-    VerifyResult,
-)
+from specsplit.transport import Transport
 
 __version__ = "0.1.0"
 

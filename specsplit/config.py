@@ -1,9 +1,14 @@
-"""Configuration dataclasses, validated on construction, with ``SPECSPLIT_*`` environment overrides.
+"""Configuration: the options users set, grouped, with one tuning section per level for A/B switches.
 
-Environment variables map onto fields by name: a top-level field ``foo`` is ``SPECSPLIT_FOO``, a
-field ``bar`` of the section ``draft``/``target``/``tree`` is ``SPECSPLIT_DRAFT_BAR`` and so on
-(e.g. ``SPECSPLIT_TRANSPORT=grpc``, ``SPECSPLIT_DRAFT_ADDRESS=10.0.0.5:50051``,
-``SPECSPLIT_TREE_SHAPE=dynamic``, ``SPECSPLIT_TARGET_DEVICE=cuda:1``).
+What most users set (see the README's "Options"): the models and their devices, the transport and
+worker addresses, the tree shape and drafter, ``cuda_graphs`` / ``compile``, and session limits.
+Everything in a ``tuning`` section (:class:`EngineTuning`, :class:`PipelineTuning`) exists to
+compare implementations or to fit an unusual machine; its defaults are right otherwise.
+
+Every field has an environment variable: ``SPECSPLIT_`` followed by the field's path in upper case,
+``_``-joined (``SPECSPLIT_TRANSPORT=grpc``, ``SPECSPLIT_TARGET_DEVICE=cuda:1``,
+``SPECSPLIT_TREE_SHAPE=dynamic``, ``SPECSPLIT_DRAFT_TUNING_GRAPH_ROUNDS=0``). A nested section may
+also be given whole as JSON (``SPECSPLIT_TARGET_SPECPV='{"enabled": true}'``).
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from specsplit.core.sampling import SamplingParams as SamplingParams  # re-exported: users set it here
 from specsplit.core.tree import (
     DEFAULT_STATIC_PATHS,
     StaticTreePlan,
@@ -22,33 +30,128 @@ from specsplit.core.tree import (
     dynamic_level_widths,
     static_plan_from_paths,
 )
-from specsplit.engines.partial_kv import SpecPVConfig
 from specsplit.errors import ConfigError
 
 TreeShape = Literal["chain", "static", "dynamic"]
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
 
 
 @dataclass
-class SamplingParams:
-    """How tokens are chosen; ONE definition used by the draft, the target and the pipeline.
+class SpecPVConfig:
+    """SpecPV partial verification settings (target side; opt-in, lossy).
 
-    ``top_k=0`` and ``top_p=1.0`` disable those filters. With ``do_sample=False`` the output is
-    the target's greedy decoding and the other fields are ignored.
+    Attributes:
+        enabled: turn partial verification on (off: the engine behaves exactly as without it).
+        block_size: tokens per retrieval block.
+        n_sink_blocks: leading blocks always kept.
+        n_retrieval_blocks: blocks retrieved per layer and KV head.
+        n_window_blocks: most recent blocks always kept.
+        n_spec_tokens_buf: speculative buffer slots: ``pending + tree`` of a round plus the tokens
+            accepted since the last full verification.
+        partial_threshold: contexts shorter than this many tokens are always verified in full.
+        full_refresh_interval: partial steps between two full verifications.
+        retrieval_reduce: ``"mean"`` or ``"max"``, how block scores are reduced over the tree's
+            queries and over the query heads of a GQA group.
+        retrieval_refresh_interval: re-choose the retrieved blocks every this many partial steps
+            from the block summaries, scored with the post-RoPE queries of the step's committed
+            tokens (pending + accepted path); no full forward, the window and buffer stay. ``0``
+            (default): the retrieval changes only at full verifications.
+        retrieval_query_window: with ``retrieval_refresh_interval``, score each re-selection with
+            the queries of the last this many committed tokens since the view was built (the
+            step's own rows and earlier partial steps' rows), not only the step's own ``pending +
+            accepted`` rows. ``0`` (default): the step's own rows only. A few rows of the last
+            step are a noisy proxy for what the next tokens attend to; a longer window averages it.
+        rectify_margin: greedy only. When a partial step's logits decide a committed token (an
+            accepted one or the round's next token) by a top-1 over top-2 margin below this many
+            logits, the step is discarded and the round is verified in full (a *rectification*):
+            the partial view perturbs logits slightly, which flips exactly such near-ties, and one
+            flipped token makes the rest of the output differ. ``0.0`` (default): off. Costs one
+            extra full forward per rectified round.
     """
 
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    enabled: bool = False
+    block_size: int = 16
+    n_sink_blocks: int = 2
+    n_retrieval_blocks: int = 256
+    n_window_blocks: int = 8
+    n_spec_tokens_buf: int = 128
+    partial_threshold: int = 4096
+    full_refresh_interval: int = 32
+    retrieval_reduce: Literal["mean", "max"] = "mean"
+    retrieval_refresh_interval: int = 0
+    retrieval_query_window: int = 0
+    rectify_margin: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.do_sample and not self.temperature > 0:
-            raise ConfigError(f"temperature must be > 0 when sampling, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, low in (
+            ("block_size", 1),
+            ("n_sink_blocks", 0),
+            ("n_retrieval_blocks", 0),
+            ("n_window_blocks", 0),
+            ("n_spec_tokens_buf", 2),
+            ("partial_threshold", 1),
+            ("full_refresh_interval", 1),
+            ("retrieval_refresh_interval", 0),
+            ("retrieval_query_window", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"specpv.{name} must be an integer >= {low}, got {value!r}")
+        m = self.rectify_margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0.0 <= m < float("inf"):
+            raise ConfigError(f"specpv.rectify_margin must be a finite number >= 0, got {m!r}")
+        if self.retrieval_reduce not in ("mean", "max"):
+            raise ConfigError(
+                f"specpv.retrieval_reduce must be 'mean' or 'max', got {self.retrieval_reduce!r}"
+            )
+
+    @property
+    def view_tokens(self) -> int:
+        """Most slots the sink + retrieval + window part can take (the window may start mid-block)."""
+        return (self.n_sink_blocks + self.n_retrieval_blocks + self.n_window_blocks + 1) * self.block_size
+
+    @property
+    def budget(self) -> int:
+        """Slots of the partial view per layer: view part plus speculative buffer."""
+        return self.view_tokens + self.n_spec_tokens_buf
+
+    @staticmethod
+    def min_spec_tokens_buf(max_nodes: int, max_depth: int) -> int:
+        """Smallest buffer that holds one round's ``pending + tree`` on top of the last round's
+        accepted tokens (its pending token plus up to ``max_depth`` accepted ones)."""
+        return (1 + max_depth) + (1 + max_nodes)
+
+    def check_tree(self, max_nodes: int, max_depth: int) -> None:
+        """Raise :class:`ConfigError` when the speculative buffer cannot serve trees this large.
+
+        Args:
+            max_nodes: the tree budget (largest number of drafted nodes per round).
+            max_depth: the deepest drafted path.
+        """
+        need = self.min_spec_tokens_buf(max_nodes, max_depth)
+        if self.enabled and self.n_spec_tokens_buf < need:
+            raise ConfigError(
+                f"specpv.n_spec_tokens_buf={self.n_spec_tokens_buf} cannot hold a tree of {max_nodes} nodes "
+                f"and depth {max_depth}: a partial round needs the tree plus its pending token plus the "
+                f"{max_depth + 1} tokens the previous round may commit, i.e. >= {need}; raise "
+                "n_spec_tokens_buf or shrink the tree"
+            )
+
+    @classmethod
+    def from_any(cls, value: SpecPVConfig | dict[str, Any] | None) -> SpecPVConfig:
+        """Accept a config, a dict of its fields (config files, environment JSON) or ``None``."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = set(cls.__dataclass_fields__)
+            bad = set(value) - known
+            if bad:
+                raise ConfigError(f"unknown keys in target.specpv: {sorted(bad)}; known: {sorted(known)}")
+            return cls(**value)
+        raise ConfigError(f"target.specpv must be a SpecPVConfig or a dict, got {type(value).__name__}")
 
 
 @dataclass
@@ -120,137 +223,144 @@ class TreeConfig:
 
 
 @dataclass
-class DraftConfig:
-    """Draft model and engine settings.
+class EngineTuning:
+    """How an engine runs its model: switches that exist to compare implementations.
 
     Attributes:
-        model: HF id, local directory or alias of the draft model (``None`` in remote mode).
-        device: torch device, e.g. ``"cuda:0"``; ``None`` picks cuda:0 if present, else CPU.
-        dtype: ``"auto"`` (bf16 on GPU, fp32 on CPU), ``"float32"``, ``"float16"``, ``"bfloat16"``.
-        q_top_k: when sampling, the draft samples from its top-``q_top_k`` tokens (renormalised) so
+        graph_capacity: slots of the static workspace the CUDA-graph path runs over (the longest
+            session served on that path; longer ones run eagerly).
+        graph_rounds: with ``cuda_graphs``, a whole round replays as ONE graph: a dynamic tree's
+            growth (every level's forward and the selection between them) on the draft, a greedy
+            verification (mask, forward, acceptance, KV commit) on the target. Off: one graph per
+            forward with eager ops between.
+        prefill_graphs: with ``cuda_graphs``, a prompt's forward is padded to a bucket of 64, 128,
+            192, 256, 384, ... 8192 tokens and replayed from one graph per bucket (captured on first
+            use); eager PyTorch pays tens of microseconds of host time per op on such a forward.
+            Exact. Off: eager prompt forwards.
+        fold_gqa: tree forwards of a GQA model fold the head group into the query rows, reading
+            each K/V head once instead of copying it to every query head. Off: transformers' SDPA.
+        attention_kernel: ``"math"``: tree forwards attend through the folded matmul kernel at any
+            prefix length; ``"sdpa"``: transformers' SDPA below 2,048 cached tokens, the folded
+            kernels above; ``"auto"``: ``"math"`` with ``cuda_graphs``, else ``"sdpa"``.
+        q_top_k: the draft, when sampling, draws from its top-``q_top_k`` tokens (renormalised), so
             the distribution it drew from is exact and small enough to send sparsely.
-        max_sessions: LRU bound on live sessions.
-        session_ttl_s: idle sessions older than this are purged.
-        cuda_graphs: run fixed-shape steps (padded ingest, tree levels) over a static workspace
-            cache and replay them from CUDA graphs (on CPU the same static path runs eagerly).
-        graph_capacity: slots of that workspace (the longest session it serves).
-        compile: fuse the static-path forward with ``torch.compile`` (Inductor, default mode)
-            before it is captured: fewer, larger kernels per layer. The first calls compile (tens
-            of seconds on a GPU host); experimental, off by default.
-        graph_rounds: with ``cuda_graphs``, a dynamic tree's whole growth (every level's forward
-            and the top-k selection between them) is captured as ONE graph per tree shape and KV
-            bucket, instead of one graph per level with eager selection ops in between.
-        fuse_projections: rewrite the model's Llama/Qwen2 layers (in place, for every caller) to
-            compute q/k/v with one GEMM and gate/up with one (:mod:`specsplit.runtime.fused`): fewer,
-            larger kernels per layer at batch 1; same weights, no extra memory. Off by default.
-        fold_gqa: tree forwards of a GQA model attend with the group folded into the query rows,
-            reading K/V once per KV head instead of copying them to every query head
-            (:mod:`specsplit.runtime.attention`; same attention, other kernels). Off: transformers' SDPA.
-        attention_kernel: ``"math"``: tree forwards attend through the folded matmul kernel at
-            every prefix length (under CUDA graphs at short prefixes: fewer kernels a layer, no K/V
-            copy per query head, no cuDNN memset; on an H100 it cut the GPU time of a dynamic-tree
-            round by 6% and of a target step by 7%, ``benchmarks/results/tree_sweep-h100-*``);
-            ``"sdpa"``: transformers' SDPA below 2,048 cached tokens, the folded kernels above;
-            ``"auto"`` (default): ``"math"`` with ``cuda_graphs``, else ``"sdpa"``.
-        prefill_graphs: with ``cuda_graphs``, a prompt's forward (any ingest longer than a
-            round's) runs over the static workspace padded to a bucket of 64, 128, 192, 256, 384,
-            ... 8192 tokens (:data:`specsplit.runtime.graphs.PREFILL_BUCKETS`) and replays one CUDA graph
-            per bucket, captured on first use with the plain (never ``torch.compile``-d) step.
-            Eager PyTorch spends tens of microseconds of host time per op on such a forward, so
-            at batch 1 the host, not the GPU, sets a prompt's cost. Exact (tests compare it with
-            the eager path). Prompts that do not fit the workspace's free slots run eagerly. On
-            by default (ignored without ``cuda_graphs``): on an H200 it cut a prompt's first
-            round from 73 to 25 ms (draft and target, 64-227 tokens) and, side by side in one
-            bench run, raised target-only decoding by 6% and dynamic-tree decoding by 14%
-            (``benchmarks/results/h200-2026-11-27-prefill-ab.md``). False: eager prompt forwards.
+    """
+
+    graph_capacity: int = 2048
+    graph_rounds: bool = True
+    prefill_graphs: bool = True
+    fold_gqa: bool = True
+    attention_kernel: str = "auto"
+    q_top_k: int = 32
+
+    def __post_init__(self) -> None:
+        if self.attention_kernel not in _ATTENTION_KERNELS:
+            raise ConfigError(
+                f"tuning.attention_kernel must be one of {_ATTENTION_KERNELS}, got {self.attention_kernel!r}"
+            )
+        if self.q_top_k < 1:
+            raise ConfigError(f"tuning.q_top_k must be >= 1, got {self.q_top_k}")
+        if self.graph_capacity < 16:
+            raise ConfigError(f"tuning.graph_capacity must be >= 16, got {self.graph_capacity}")
+
+
+@dataclass
+class DraftConfig:
+    """The draft model and its engine.
+
+    Attributes:
+        model: alias, local directory or HF id of the draft model (``None`` in remote mode).
+        device: torch device, e.g. ``"cuda:0"``; ``None`` picks cuda:0 if present, else the CPU.
+        dtype: ``"auto"`` (bf16 on GPU, fp32 on CPU), ``"float32"``, ``"float16"``, ``"bfloat16"``.
+        cuda_graphs: run fixed-shape steps over a preallocated workspace and replay them from CUDA
+            graphs (on the CPU the same static path runs eagerly).
+        compile: also fuse those steps with ``torch.compile`` before capture (the first rounds of
+            each shape compile; minutes on a GPU host).
+        fuse_projections: rewrite the loaded Llama/Qwen2 layers (in place, for every caller) to
+            compute q/k/v with one GEMM and gate/up with one; same weights, no extra memory; the
+            low-order bits of results may differ.
+        max_sessions: live sessions kept; one more evicts the least recently used.
+        session_ttl_s: idle sessions older than this are freed.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
+        tuning: A/B switches (:class:`EngineTuning`).
     """
 
     model: str | None = None
     device: str | None = None
     dtype: str = "auto"
-    q_top_k: int = 32
+    cuda_graphs: bool = False
+    compile: bool = False
+    fuse_projections: bool = False
     max_sessions: int = 64
     session_ttl_s: float = 600.0
-    cuda_graphs: bool = False
-    graph_capacity: int = 2048
-    compile: bool = False
-    graph_rounds: bool = True
-    fuse_projections: bool = False
-    fold_gqa: bool = True
-    attention_kernel: str = "auto"
-    prefill_graphs: bool = True
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
+    tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
-        _check_dtype(self.dtype, "draft")
-        _check_attention_kernel(self.attention_kernel, "draft")
-        if self.q_top_k < 1:
-            raise ConfigError(f"draft.q_top_k must be >= 1, got {self.q_top_k}")
-        _check_sessions(self.max_sessions, self.session_ttl_s, "draft")
+        _check_engine(self, "draft")
 
 
 @dataclass
 class TargetConfig:
-    """Target model and engine settings.
+    """The target model and its engine.
 
     Attributes:
-        model: HF id, local directory or alias of the target model.
-        device: torch device for the whole target, e.g. ``"cuda:1"``.
-        device_map: accelerate device map (``"auto"`` or a dict) to spread the target over GPUs;
-            takes precedence over ``device``.
-        dtype: as for :class:`DraftConfig`.
-        max_tree_nodes / max_tree_depth: largest tree a request may carry.
-        max_context: largest prompt + generation a session may grow to.
-        stateless: keep no KV between requests (every request must carry the full context).
-        cuda_graphs / graph_capacity / compile / fuse_projections / fold_gqa / attention_kernel /
-            prefill_graphs: as for :class:`DraftConfig` (the verify step of a fixed tree; a
-            prompt's first verification, prompt and tree in one padded forward).
-        graph_rounds: with ``cuda_graphs``, a greedy round's whole verification (tree mask and
-            positions, the forward, acceptance and the KV commit of the accepted path) replays as
-            ONE graph per tree size and KV bucket, instead of the forward alone with eager ops
-            around it. Sampling rounds keep the eager acceptance. Exact on CPU and on an H100
-            (``tests/test_gpu.py``). On by default: in one process the eager ops hide behind the
-            draft's GPU work (within run-to-run noise, ``benchmarks/results/tree_sweep-h100-*.md``),
-            but a gRPC target worker runs them after the tree arrives, and there the one graph cut
-            a verification from 9.1 to 6.7 ms (``benchmarks/results/h100-2026-11-26-grpc-graph-rounds*.md``).
-        specpv: SpecPV partial verification for long contexts (opt-in, lossy; off by default).
-            Settable as a dict in config files, as JSON in ``SPECSPLIT_TARGET_SPECPV`` or per field
-            (``SPECSPLIT_TARGET_SPECPV_ENABLED=1``, ``SPECSPLIT_TARGET_SPECPV_PARTIAL_THRESHOLD=8192``).
-            In gRPC mode it is the target worker's setting (``specsplit serve target --specpv``).
+        model / device / dtype / cuda_graphs / compile / fuse_projections / max_sessions /
+            session_ttl_s / tuning: as for :class:`DraftConfig`.
+        device_map: accelerate device map (``"auto"`` or a dict) that spreads the target over
+            several GPUs; takes precedence over ``device`` (such a target runs eagerly).
+        max_tree_nodes / max_tree_depth: the largest tree a request may carry.
+        max_context: most tokens a session (prompt and generation) may hold.
+        stateless: keep no KV between requests (every request carries the full context).
+        specpv: SpecPV partial verification for long contexts (opt-in, lossy; eager path only).
     """
 
     model: str | None = None
     device: str | None = None
     device_map: str | dict[str, Any] | None = None
     dtype: str = "auto"
+    cuda_graphs: bool = False
+    compile: bool = False
+    fuse_projections: bool = False
+    max_sessions: int = 64
+    session_ttl_s: float = 600.0
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
-    max_sessions: int = 64
-    session_ttl_s: float = 600.0
     stateless: bool = False
-    cuda_graphs: bool = False
-    graph_capacity: int = 2048
-    compile: bool = False
-    graph_rounds: bool = True
-    fuse_projections: bool = False
-    fold_gqa: bool = True
-    attention_kernel: str = "auto"
-    prefill_graphs: bool = True
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
+    tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
-        _check_dtype(self.dtype, "target")
-        _check_attention_kernel(self.attention_kernel, "target")
+        _check_engine(self, "target")
         self.specpv = SpecPVConfig.from_any(self.specpv)
-        if self.max_tree_nodes < 1 or self.max_tree_depth < 1:
-            raise ConfigError("target.max_tree_nodes and target.max_tree_depth must be >= 1")
         if self.max_context < 2:
             raise ConfigError(f"target.max_context must be >= 2, got {self.max_context}")
-        _check_sessions(self.max_sessions, self.session_ttl_s, "target")
+
+
+@dataclass
+class PipelineTuning:
+    """How the round loop talks to the engines: switches that exist to compare implementations.
+
+    Attributes:
+        overlap_policy: with ``overlap``: ``"adaptive"`` times short probes with and without
+            speculation and keeps whichever commits tokens faster, re-probing ever less often;
+            ``"always"`` speculates every round.
+        grpc_streams: send each round's draft and verify calls over long-lived gRPC streams
+            (unary calls wherever a worker refuses or lacks them). Off: unary calls only.
+        sync_timing: synchronise the device around each span so telemetry's draft/verify split
+            is exact (costs a little speed on a GPU).
+    """
+
+    overlap_policy: Literal["adaptive", "always"] = "adaptive"
+    grpc_streams: bool = True
+    sync_timing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.overlap_policy not in ("adaptive", "always"):
+            raise ConfigError(f"overlap_policy must be 'adaptive' or 'always', got {self.overlap_policy!r}")
 
 
 @dataclass
@@ -260,43 +370,32 @@ class SpecSplitConfig:
     Attributes:
         transport: ``"local"`` (engines in this process) or ``"grpc"`` (remote workers).
         draft_address / target_address: ``host:port`` of the workers in gRPC mode.
+        grpc_loop: where the rounds run in gRPC mode: ``"client"`` (this process calls the draft
+            and the target worker every round: two hops a round) or ``"target"`` (one ``Generate``
+            call; the target worker calls the draft worker it was started with: one hop a round,
+            ``draft_address`` unused). Same tokens either way.
         timeout_s: deadline of each remote call.
         auth_token: bearer token sent to the workers (gRPC mode).
         tls_ca_file: CA certificate that signs the workers' TLS certificates (gRPC mode).
-        overlap: draft round N+1 while round N verifies (needs draft and target on different
-            devices or machines to pay off; output is identical either way).
-        overlap_policy: ``"adaptive"`` (default) times short probes with and without speculation
-            and keeps whichever commits tokens faster, re-probing ever less often while the choice
-            holds (the generator keeps what it measured across ``generate()`` calls); ``"always"``
-            speculates every round.
-        sync_timing: synchronise the device around each span so the draft/verify split in
-            telemetry is exact (costs a little speed on GPU).
-        grpc_loop: where the rounds run in gRPC mode: ``"client"`` (default; this process calls
-            the draft and the target worker every round, two network hops a round) or
-            ``"target"`` (one ``Generate`` call; the target worker calls the draft worker it was
-            started with, ``specsplit serve target --draft-address``, one hop a round, and streams
-            the committed tokens back; ``draft_address`` is then unused). Same tokens either way.
-        grpc_streams: in gRPC mode, send each round's draft and verify calls over long-lived
-            streams (``GenerateDraftsStream`` / ``VerifyDraftsStream``; about half a unary call's
-            latency, same semantics, unary calls wherever a worker refuses or lacks them).
-            ``False``: unary calls only. A target worker running the rounds has its own switch,
-            ``specsplit serve target --no-draft-stream``.
+        overlap: draft round N+1 while round N verifies (pays only with draft and target on
+            different devices or machines; the output is identical either way).
+        tree: shape of the draft tree.
+        draft / target: the two engines.
+        tuning: A/B switches of the round loop (:class:`PipelineTuning`).
     """
 
     transport: Literal["local", "grpc"] = "local"
-    draft: DraftConfig = field(default_factory=DraftConfig)
-    target: TargetConfig = field(default_factory=TargetConfig)
-    tree: TreeConfig = field(default_factory=TreeConfig)
     draft_address: str | None = None
     target_address: str | None = None
+    grpc_loop: Literal["client", "target"] = "client"
     timeout_s: float = 60.0
     auth_token: str | None = None
     tls_ca_file: str | None = None
     overlap: bool = False
-    overlap_policy: Literal["adaptive", "always"] = "adaptive"
-    sync_timing: bool = False
-    grpc_loop: Literal["client", "target"] = "client"
-    grpc_streams: bool = True
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    tuning: PipelineTuning = field(default_factory=PipelineTuning)
 
     def __post_init__(self) -> None:
         if self.transport not in ("local", "grpc"):
@@ -306,8 +405,6 @@ class SpecSplitConfig:
                 "transport='grpc' needs target_address='host:port' (or SPECSPLIT_TARGET_ADDRESS); "
                 "draft_address is optional (without it the client decodes target-only)"
             )
-        if self.overlap_policy not in ("adaptive", "always"):
-            raise ConfigError(f"overlap_policy must be 'adaptive' or 'always', got {self.overlap_policy!r}")
         if self.grpc_loop not in ("client", "target"):
             raise ConfigError(f"grpc_loop must be 'client' or 'target', got {self.grpc_loop!r}")
         if self.grpc_loop == "target" and self.transport != "grpc":
@@ -324,19 +421,8 @@ class SpecSplitConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecSplitConfig:
-        d = dict(d)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown config keys: {sorted(unknown)}")
-        sections = {"draft": DraftConfig, "target": TargetConfig, "tree": TreeConfig}
-        for key, sec_cls in sections.items():
-            if isinstance(d.get(key), dict):
-                sub = d[key]
-                bad = set(sub) - {f.name for f in dataclasses.fields(sec_cls)}
-                if bad:
-                    raise ConfigError(f"unknown keys in config section {key!r}: {sorted(bad)}")
-                d[key] = sec_cls(**sub)
-        return cls(**d)
+        """Build from nested dicts (a config file); unknown keys are errors."""
+        return _from_dict(cls, d, "")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> SpecSplitConfig:
@@ -358,62 +444,75 @@ class SpecSplitConfig:
     ) -> SpecSplitConfig:
         """``base`` (or defaults) with every ``SPECSPLIT_*`` variable applied."""
         env = os.environ if environ is None else environ
-        d = base.to_dict() if base is not None else _defaults_dict()
-        for f in dataclasses.fields(cls):
-            if f.name in ("draft", "target", "tree"):
-                sec_cls = {"draft": DraftConfig, "target": TargetConfig, "tree": TreeConfig}[f.name]
-                for sf in dataclasses.fields(sec_cls):
-                    key = f"SPECSPLIT_{f.name}_{sf.name}".upper()
-                    if sf.name == "specpv":
-                        d[f.name][sf.name] = _specpv_env(env, key, d[f.name][sf.name])
-                    elif key in env:
-                        d[f.name][sf.name] = _parse(env[key], sf.type, key)
-            else:
-                key = f"SPECSPLIT_{f.name}".upper()
-                if key in env:
-                    d[f.name] = _parse(env[key], f.type, key)
+        d = (base or cls()).to_dict()
+        _apply_env(cls, d, "SPECSPLIT", env)
         return cls.from_dict(d)
 
 
-def _defaults_dict() -> dict[str, Any]:
-    return {
-        "transport": "local",
-        "draft": dataclasses.asdict(DraftConfig()),
-        "target": dataclasses.asdict(TargetConfig()),
-        "tree": dataclasses.asdict(TreeConfig()),
-    }
+def _section_type(typ: Any) -> type | None:
+    """The dataclass a field holds (``SpecPVConfig`` for ``SpecPVConfig``), or None."""
+    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
+        return typ
+    return None
 
 
-def _specpv_env(env: Any, key: str, current: Any) -> dict[str, Any]:
-    """SpecPV fields from ``KEY`` (a JSON object) and then ``KEY_<FIELD>`` variables."""
-    out = dataclasses.asdict(SpecPVConfig.from_any(current))
-    if key in env:
-        try:
-            raw = json.loads(env[key])
-        except json.JSONDecodeError:
-            raise ConfigError(f"environment variable {key} must be a JSON object") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"environment variable {key} must be a JSON object")
-        out.update(raw)
-    for sf in dataclasses.fields(SpecPVConfig):
-        sub = f"{key}_{sf.name}".upper()
-        if sub in env:
-            out[sf.name] = _parse(env[sub], sf.type, sub)
-    return out
+def _fields(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type of a config dataclass."""
+    return typing.get_type_hints(cls)
+
+
+def _from_dict(cls: type, d: dict[str, Any], where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section {where or 'top level'} must be a mapping, got {type(d).__name__}")
+    hints = _fields(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ConfigError(f"unknown config keys in {where or 'the top level'}: {sorted(unknown)}")
+    kwargs = dict(d)
+    for name, value in d.items():
+        sec = _section_type(hints[name])
+        if sec is not None and isinstance(value, dict):
+            kwargs[name] = _from_dict(sec, value, f"{where}.{name}".lstrip("."))
+    return cls(**kwargs)
+
+
+def _apply_env(cls: type, d: dict[str, Any], prefix: str, env: Any) -> None:
+    """Set ``d[name]`` from ``{prefix}_{NAME}`` for every field of ``cls``, recursing into sections."""
+    for name, typ in _fields(cls).items():
+        key = f"{prefix}_{name}".upper()
+        sec = _section_type(typ)
+        if sec is not None:
+            sub = dataclasses.asdict(d[name]) if dataclasses.is_dataclass(d[name]) else dict(d[name])
+            if key in env:
+                try:
+                    raw = json.loads(env[key])
+                except json.JSONDecodeError:
+                    raise ConfigError(f"environment variable {key} must be a JSON object") from None
+                if not isinstance(raw, dict):
+                    raise ConfigError(f"environment variable {key} must be a JSON object")
+                sub.update(raw)
+            _apply_env(sec, sub, key, env)
+            d[name] = sub
+        elif key in env:
+            d[name] = _parse(env[key], typ, key)
 
 
 def _parse(raw: str, typ: Any, key: str) -> Any:
+    args = set(typing.get_args(typ)) if isinstance(typ, types.UnionType) or typing.get_origin(typ) else {typ}
     t = str(typ)
+    if type(None) in args and raw.lower() == "none":
+        return None
     try:
-        if t.startswith("bool"):
+        if bool in args:
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        if t.startswith("int"):
+        if int in args:
             return int(raw)
-        if t.startswith("float"):
+        if float in args:
             return float(raw)
         if "list" in t or "dict" in t:
             if raw.strip().startswith(("[", "{")):
@@ -421,15 +520,7 @@ def _parse(raw: str, typ: Any, key: str) -> Any:
             return raw
     except (ValueError, json.JSONDecodeError):
         raise ConfigError(f"environment variable {key}={raw!r} is not a valid {t}") from None
-    return None if raw.lower() == "none" and "None" in t else raw
-
-
-_ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
-
-
-def _check_dtype(dtype: str, section: str) -> None:
-    if dtype not in _DTYPES:
-        raise ConfigError(f"{section}.dtype must be one of {_DTYPES}, got {dtype!r}")
+    return raw
 
 
 def resolved_attention_kernel(kernel: str, cuda_graphs: bool) -> str:
@@ -439,13 +530,14 @@ def resolved_attention_kernel(kernel: str, cuda_graphs: bool) -> str:
     return kernel
 
 
-def _check_attention_kernel(kernel: str, section: str) -> None:
-    if kernel not in _ATTENTION_KERNELS:
-        raise ConfigError(f"{section}.attention_kernel must be one of {_ATTENTION_KERNELS}, got {kernel!r}")
-
-
-def _check_sessions(max_sessions: int, ttl: float, section: str) -> None:
-    if max_sessions < 1:
-        raise ConfigError(f"{section}.max_sessions must be >= 1, got {max_sessions}")
-    if ttl <= 0:
-        raise ConfigError(f"{section}.session_ttl_s must be > 0, got {ttl}")
+def _check_engine(cfg: DraftConfig | TargetConfig, section: str) -> None:
+    if cfg.dtype not in _DTYPES:
+        raise ConfigError(f"{section}.dtype must be one of {_DTYPES}, got {cfg.dtype!r}")
+    if cfg.max_sessions < 1:
+        raise ConfigError(f"{section}.max_sessions must be >= 1, got {cfg.max_sessions}")
+    if cfg.session_ttl_s <= 0:
+        raise ConfigError(f"{section}.session_ttl_s must be > 0, got {cfg.session_ttl_s}")
+    if cfg.max_tree_nodes < 1 or cfg.max_tree_depth < 1:
+        raise ConfigError(f"{section}.max_tree_nodes and {section}.max_tree_depth must be >= 1")
+    if not isinstance(cfg.tuning, EngineTuning):
+        cfg.tuning = _from_dict(EngineTuning, cfg.tuning, f"{section}.tuning")

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from specsplit.config import SamplingParams, SpecSplitConfig
+from specsplit.config import SpecSplitConfig
+from specsplit.core.sampling import SamplingParams
 from specsplit.engines.draft import DraftEngine
 from specsplit.engines.target import TargetEngine
 from specsplit.errors import ConfigError
@@ -266,7 +267,7 @@ class SpecSplitGenerator:
         stops = gc.stop_strings
         stop_strings = tuple([stops] if isinstance(stops, str) else (stops or []))
         after = None
-        if self.config.sync_timing and self.draft_engine is not None:
+        if self.config.tuning.sync_timing and self.draft_engine is not None:
             after = self.draft_engine.synchronize
         return DecodeParams(
             max_new_tokens=max_new,
@@ -278,13 +279,13 @@ class SpecSplitGenerator:
             generator=generator,
             after_draft=after,
             overlap=self.config.overlap,
-            overlap_policy=self.config.overlap_policy,
+            overlap_policy=self.config.tuning.overlap_policy,
             policy=self._overlap_policy(do_sample) if self.config.overlap else None,
             loop=self.config.grpc_loop,
         )
 
     def _overlap_policy(self, do_sample: bool) -> OverlapPolicy:
-        always = self.config.overlap_policy == "always"
+        always = self.config.tuning.overlap_policy == "always"
         return self._overlap_policies.policy(self.config.tree, do_sample, always)
 
     @staticmethod

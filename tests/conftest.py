@@ -78,7 +78,7 @@ def noisy_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Modu
 def outcome_reads(monkeypatch):
     """Counts ``VerifyOutcome.to_host`` calls, lifting CUDA's sync-debug "error" mode for exactly
     that read: the one device-to-host read a round is allowed. Returns ``{"n": reads}``."""
-    from specsplit import verification
+    from specsplit.core import verification
 
     reads = {"n": 0}
     orig = verification.VerifyOutcome.to_host

@@ -7,7 +7,7 @@ import torch
 from conftest import sharpen, tiny_llama
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TargetConfig, TreeConfig
-from specsplit.config import DraftConfig
+from specsplit.config import DraftConfig, EngineTuning
 from specsplit.core.tree_attention import build_verify_attention
 from specsplit.runtime import attention as attn
 from specsplit.runtime.runner import ModelRunner
@@ -122,8 +122,8 @@ def test_fold_off_leaves_the_model_alone():
     before = target.config._attn_implementation
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape="chain", num_draft_tokens=3),
-        target=TargetConfig(fold_gqa=False),
-        draft=DraftConfig(fold_gqa=False),
+        target=TargetConfig(tuning=EngineTuning(fold_gqa=False)),
+        draft=DraftConfig(tuning=EngineTuning(fold_gqa=False)),
     )
     ids = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(2))
     want = target.generate(ids, max_new_tokens=8, do_sample=False)
@@ -158,8 +158,8 @@ def _kernel_config(tree: TreeConfig, kernel: str, graphs: bool) -> SpecSplitConf
     """Both engines on ``attention_kernel=kernel``, with or without the static (graph) path."""
     return SpecSplitConfig(
         tree=tree,
-        target=TargetConfig(attention_kernel=kernel, cuda_graphs=graphs),
-        draft=DraftConfig(attention_kernel=kernel, cuda_graphs=graphs),
+        target=TargetConfig(cuda_graphs=graphs, tuning=EngineTuning(attention_kernel=kernel)),
+        draft=DraftConfig(cuda_graphs=graphs, tuning=EngineTuning(attention_kernel=kernel)),
     )
 
 
@@ -203,7 +203,7 @@ def test_attention_kernel_auto_is_math_on_the_static_path_only():
     }
     assert DraftEngine(gqa, DraftConfig()).runner.attention_kwargs == {**engine, attn.FOLD_KWARG: True}
     assert DraftEngine(
-        gqa, DraftConfig(attention_kernel="sdpa", cuda_graphs=True)
+        gqa, DraftConfig(cuda_graphs=True, tuning=EngineTuning(attention_kernel="sdpa"))
     ).runner.attention_kwargs == {**engine, attn.FOLD_KWARG: True}
 
 
@@ -211,9 +211,9 @@ def test_attention_kernel_is_checked():
     from specsplit.errors import ConfigError
 
     with pytest.raises(ConfigError, match="attention_kernel"):
-        TargetConfig(attention_kernel="flash")
+        TargetConfig(tuning=EngineTuning(attention_kernel="flash"))
     with pytest.raises(ConfigError, match="attention_kernel"):
-        DraftConfig(attention_kernel="")
+        DraftConfig(tuning=EngineTuning(attention_kernel=""))
 
 
 def test_float_masks_have_aligned_rows():

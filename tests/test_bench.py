@@ -257,14 +257,16 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     m = load_models(tiny=True, device="cpu")
     decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-chain"], k=4, cuda_graphs=True)
     try:
-        assert all(d.config.draft.prefill_graphs and d.config.target.prefill_graphs for d in decs)
+        assert all(
+            d.config.draft.tuning.prefill_graphs and d.config.target.tuning.prefill_graphs for d in decs
+        )
         assert not any("eager prompt" in d.label for d in decs)
     finally:
         for d in decs:
             d.close()
     decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=False)
     try:
-        assert not decs[0].config.target.prefill_graphs and not decs[0].config.target.cuda_graphs
+        assert not decs[0].config.target.tuning.prefill_graphs and not decs[0].config.target.cuda_graphs
     finally:
         decs[0].close()
     # The -prefill decoders: the A/B side by side in one run, whatever the flag says.
@@ -277,7 +279,10 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     decs, skipped = build_decoders(m, ab, k=4, cuda_graphs=True, prefill_graphs=False)
     try:
         assert [d.name for d in decs] == ab and not skipped
-        on = {d.name: (d.config.draft.prefill_graphs, d.config.target.prefill_graphs) for d in decs}
+        on = {
+            d.name: (d.config.draft.tuning.prefill_graphs, d.config.target.tuning.prefill_graphs)
+            for d in decs
+        }
         assert on == {ab[0]: (False, False), ab[1]: (False, False), ab[2]: (True, True), ab[3]: (True, True)}
         assert [("eager prompt forwards" in d.label) for d in decs] == [True, True, False, False]
         assert decs[3].config.tree == decs[1].config.tree
@@ -319,13 +324,13 @@ def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> N
     m = load_models(tiny=True, device="cpu")
     decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-target-only"], k=4, cuda_graphs=True)
     try:
-        assert all(d.config.target.graph_rounds for d in decs)  # the default
+        assert all(d.config.target.tuning.graph_rounds for d in decs)  # the default
     finally:
         for d in decs:
             d.close()
     decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=True, target_graph_rounds=False)
     try:
-        assert not decs[0].config.target.graph_rounds  # the A/B's other arm
+        assert not decs[0].config.target.tuning.graph_rounds  # the A/B's other arm
     finally:
         decs[0].close()
     argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--no-target-graph-rounds"]
@@ -363,7 +368,7 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
                 )
                 assert "torch.compile" not in d.label and not d.shape_warmup
                 assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
-                assert d.config.grpc_streams == (not d.name.endswith("-unary"))  # the streams' A/B
+                assert d.config.tuning.grpc_streams == (not d.name.endswith("-unary"))  # the streams' A/B
                 assert ("unary calls" in d.label) == d.name.endswith("-unary")
                 assert ("no tree slots" in d.label) == d.name.endswith("-noipc")  # the tree slots' A/B
                 continue
@@ -378,13 +383,13 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
             assert d.config.draft.cuda_graphs and d.config.target.cuda_graphs
         assert not decs[0].config.draft.compile and not decs[0].config.target.cuda_graphs
         by_name = {d.name: d for d in decs}
-        assert not by_name["specsplit-dynamic-levels-compiled"].config.draft.graph_rounds  # the A/B
-        assert by_name["specsplit-dynamic-compiled"].config.draft.graph_rounds
+        assert not by_name["specsplit-dynamic-levels-compiled"].config.draft.tuning.graph_rounds  # the A/B
+        assert by_name["specsplit-dynamic-compiled"].config.draft.tuning.graph_rounds
         assert by_name["specsplit-overlap-dynamic-compiled"].config.overlap
         for name, d in by_name.items():  # the prefill A/B: padded prompts only in the -prefill twins
-            assert d.config.transport == "grpc" or d.config.target.prefill_graphs == ("-prefill" in name), (
-                name
-            )
+            assert d.config.transport == "grpc" or d.config.target.tuning.prefill_graphs == (
+                "-prefill" in name
+            ), name
         split = by_name["specsplit-split-dynamic-compiled"]
         assert not split.config.overlap and "sequential, draft on cpu" in split.label
     finally:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specsplit import ConfigError, SpecSplitConfig, TreeConfig
-from specsplit.config import DraftConfig, SamplingParams, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, SamplingParams, TargetConfig
 
 
 @pytest.mark.parametrize(
@@ -20,7 +20,7 @@ from specsplit.config import DraftConfig, SamplingParams, TargetConfig
         (lambda: SamplingParams(do_sample=True, temperature=0.0), "temperature"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),
         (lambda: DraftConfig(dtype="float8"), "dtype"),
-        (lambda: DraftConfig(q_top_k=0), "q_top_k"),
+        (lambda: DraftConfig(tuning=EngineTuning(q_top_k=0)), "q_top_k"),
         (lambda: TargetConfig(max_sessions=0), "max_sessions"),
         (lambda: SpecSplitConfig(transport="carrier-pigeon"), "transport"),
         (lambda: SpecSplitConfig(transport="grpc"), "target_address"),
@@ -52,9 +52,11 @@ def test_env_overrides():
 
 
 def test_from_file_json_and_toml(tmp_path):
-    (tmp_path / "c.json").write_text(json.dumps({"tree": {"shape": "static"}, "draft": {"q_top_k": 8}}))
+    (tmp_path / "c.json").write_text(
+        json.dumps({"tree": {"shape": "static"}, "draft": {"tuning": {"q_top_k": 8}}})
+    )
     cfg = SpecSplitConfig.from_file(tmp_path / "c.json")
-    assert cfg.tree.shape == "static" and cfg.draft.q_top_k == 8 and cfg.tree.max_nodes == 16
+    assert cfg.tree.shape == "static" and cfg.draft.tuning.q_top_k == 8 and cfg.tree.max_nodes == 16
     (tmp_path / "c.toml").write_text('transport = "local"\n[tree]\nshape = "chain"\nnum_draft_tokens = 6\n')
     assert SpecSplitConfig.from_file(tmp_path / "c.toml").tree.max_nodes == 6
     (tmp_path / "bad.json").write_text(json.dumps({"tree": {"colour": "red"}}))

@@ -9,7 +9,7 @@ import torch
 from conftest import noisy_copy, tiny_llama, tiny_qwen2
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
 from specsplit.runtime.fused import fuse_projections
 
 PROMPT = [5, 17, 33, 81, 9, 100]
@@ -67,8 +67,10 @@ def test_engines_with_fused_projections_equal_hf_generate(shape, graphs):
     ref = copy.deepcopy(target).generate(ids, max_new_tokens=32, do_sample=False)
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(cuda_graphs=graphs, graph_capacity=256, fuse_projections=True),
-        target=TargetConfig(cuda_graphs=graphs, graph_capacity=256, fuse_projections=True),
+        draft=DraftConfig(cuda_graphs=graphs, fuse_projections=True, tuning=EngineTuning(graph_capacity=256)),
+        target=TargetConfig(
+            cuda_graphs=graphs, fuse_projections=True, tuning=EngineTuning(graph_capacity=256)
+        ),
     )
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         out = gen.generate(ids, max_new_tokens=32, return_dict_in_generate=True)

@@ -8,7 +8,7 @@ import torch
 from conftest import noisy_copy
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, PipelineTuning, TargetConfig
 
 pytestmark = [
     pytest.mark.large,
@@ -80,18 +80,15 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, ke
             device=ddev,
             dtype="float32",
             cuda_graphs=True,
-            graph_capacity=512,
             fuse_projections=fuse,
-            attention_kernel=kernel,
+            tuning=EngineTuning(graph_capacity=512, attention_kernel=kernel),
         ),
         target=TargetConfig(
             device=tdev,
             dtype="float32",
             cuda_graphs=True,
-            graph_capacity=512,
             fuse_projections=fuse,
-            attention_kernel=kernel,
-            graph_rounds=True,  # the default, named: this test is about it
+            tuning=EngineTuning(graph_capacity=512, attention_kernel=kernel, graph_rounds=True),
         ),
     )
     ids = torch.tensor([PROMPTS[0]])
@@ -197,7 +194,10 @@ def test_target_only_cuda_graphs_exact(llama_target, rounds):
     target = copy.deepcopy(llama_target).to(tdev)
     cfg = SpecSplitConfig(
         target=TargetConfig(
-            device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512, graph_rounds=rounds
+            device=tdev,
+            dtype="float32",
+            cuda_graphs=True,
+            tuning=EngineTuning(graph_capacity=512, graph_rounds=rounds),
         )
     )
     ids = torch.tensor([PROMPTS[2]])
@@ -222,9 +222,11 @@ def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape
     reads = outcome_reads
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(device=ddev, cuda_graphs=bool(graphs), graph_capacity=512),
+        draft=DraftConfig(device=ddev, cuda_graphs=bool(graphs), tuning=EngineTuning(graph_capacity=512)),
         target=TargetConfig(
-            device=tdev, cuda_graphs=bool(graphs), graph_capacity=512, graph_rounds=graphs == "target-rounds"
+            device=tdev,
+            cuda_graphs=bool(graphs),
+            tuning=EngineTuning(graph_capacity=512, graph_rounds=graphs == "target-rounds"),
         ),
     )
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
@@ -263,11 +265,7 @@ def test_overlap_two_devices_equals_sequential(llama_target, shape, graphs):
     outs = {}
     for overlap in (False, True):
         for sample in (False, True):
-            cfg = SpecSplitConfig(
-                tree=TreeConfig(shape=shape), overlap=overlap, overlap_policy="always",
-                draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=graphs),
-                target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=graphs),
-            )  # fmt: skip
+            cfg = SpecSplitConfig(tree=TreeConfig(shape=shape), overlap=overlap, draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=graphs), target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=graphs), tuning=PipelineTuning(overlap_policy="always"))  # fmt: skip
             kw = {"do_sample": True, "temperature": 0.8, "top_k": 20} if sample else {}
             with SpecSplitGenerator(target, draft, config=cfg) as gen:
                 outs[overlap, sample] = gen.generate(
@@ -295,10 +293,12 @@ def test_grpc_workers_cuda_graphs_exact(llama_target, llama_draft_random, shape,
     target = copy.deepcopy(llama_target).to(tdev)
     draft = copy.deepcopy(llama_draft_random).to(ddev)
     d_engine = DraftEngine(
-        draft, DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, graph_capacity=512)
+        draft,
+        DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)),
     )
     t_engine = TargetEngine(
-        target, TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512)
+        target,
+        TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)),
     )
     ids = torch.tensor([PROMPTS[0]])
     ref = target.generate(ids.to(tdev), max_new_tokens=48, do_sample=False).cpu()
@@ -327,8 +327,8 @@ def test_engine_masked_attention_is_memory_efficient_not_cudnn(llama_target):
     from specsplit.core.tree import TokenTree
     from specsplit.core.tree_attention import build_verify_attention
     from specsplit.engines.target import TargetEngine
+    from specsplit.messages import VerifyRequest
     from specsplit.runtime import attention as attn
-    from specsplit.transport import VerifyRequest
 
     g = torch.Generator(device="cuda:0").manual_seed(0)
     q = torch.randn(1, 4, 45, 16, device="cuda:0", dtype=torch.bfloat16, generator=g)
@@ -367,7 +367,8 @@ def test_grpc_target_loop_tree_slots_exact(model_dirs, ipc):
     target_dir, draft_dir = model_dirs
     target = load_saved(target_dir).to(tdev)
     t_engine = TargetEngine(
-        target, TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, graph_capacity=512)
+        target,
+        TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)),
     )
     refs = [target.generate(torch.tensor([p], device=tdev), max_new_tokens=40, do_sample=False).cpu()
             for p in PROMPTS]  # fmt: skip

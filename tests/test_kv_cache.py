@@ -103,13 +103,13 @@ def test_session_cache_sized_to_need_not_max_positions(llama_target):
     gen = SpecSplitGenerator(llama_target, llama_target, config=SpecSplitConfig(tree=tree))
     seen = {}
     engine = gen.target_engine
-    orig = engine._verify_locked
+    orig = engine._verifier.verify
 
     def spy(state, *a, **k):
         seen["cap"] = state.cache.capacity
         return orig(state, *a, **k)
 
-    engine._verify_locked = spy
+    engine._verifier.verify = spy  # type: ignore[method-assign]
     prompt = [5, 17, 33, 81, 9]
     gen.generate(torch.tensor([prompt]), max_new_tokens=20)
     need = len(prompt) + 20 + tree.max_nodes

@@ -21,7 +21,7 @@ from specsplit import (
     TreeConfig,
     VerifyRequest,
 )
-from specsplit.config import DraftConfig, SamplingParams
+from specsplit.config import DraftConfig, EngineTuning, SamplingParams
 from specsplit.core.sampling import logits_to_probs
 
 V = 8
@@ -67,7 +67,7 @@ def empirical_joint(target, draft, tree: TreeConfig, runs: int = RUNS) -> torch.
     one token (everything rejected), the second comes from the next round, which is a target
     step from the exact conditional — itself the first-token case this test also checks.
     """
-    draft_engine = DraftEngine(draft, DraftConfig(q_top_k=V))
+    draft_engine = DraftEngine(draft, DraftConfig(tuning=EngineTuning(q_top_k=V)))
     target_engine = TargetEngine(target)
     exact2 = exact_joint(target)
     cond2 = exact2 / exact2.sum(1, keepdim=True).clamp_min(1e-30)

@@ -11,11 +11,11 @@ import torch
 from conftest import noisy_copy
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.config import SamplingParams
+from specsplit.config import PipelineTuning, SamplingParams
 from specsplit.core.tree import TokenTree
 from specsplit.engines.draft import DraftEngine, main_path
 from specsplit.errors import CacheDesyncError, InvalidRequest
-from specsplit.transport import DraftRequest
+from specsplit.messages import DraftRequest
 
 SHAPES = {
     "chain": TreeConfig(shape="chain", num_draft_tokens=4),
@@ -32,7 +32,9 @@ def noisy_draft(llama_target):
 
 
 def _generate(target, draft, tree, overlap, ids, n=48, **kw):
-    cfg = SpecSplitConfig(tree=copy.deepcopy(tree), overlap=overlap, overlap_policy="always")
+    cfg = SpecSplitConfig(
+        tree=copy.deepcopy(tree), overlap=overlap, tuning=PipelineTuning(overlap_policy="always")
+    )
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         return gen.generate(ids, max_new_tokens=n, return_dict_in_generate=True, **kw)
 

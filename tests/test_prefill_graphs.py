@@ -9,7 +9,7 @@ import torch
 from conftest import assert_same_sampling
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
 from specsplit.core.tree_attention import build_verify_attention
 from specsplit.runtime.graphs import PREFILL_BUCKETS, StaticForward, prefill_bucket
 from specsplit.runtime.runner import ModelRunner
@@ -18,8 +18,12 @@ from specsplit.runtime.runner import ModelRunner
 def _cfg(shape: str, prefill: bool, capacity: int = 512) -> SpecSplitConfig:
     return SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(cuda_graphs=True, graph_capacity=capacity, prefill_graphs=prefill),
-        target=TargetConfig(cuda_graphs=True, graph_capacity=capacity, prefill_graphs=prefill),
+        draft=DraftConfig(
+            cuda_graphs=True, tuning=EngineTuning(graph_capacity=capacity, prefill_graphs=prefill)
+        ),
+        target=TargetConfig(
+            cuda_graphs=True, tuning=EngineTuning(graph_capacity=capacity, prefill_graphs=prefill)
+        ),
     )
 
 
@@ -118,8 +122,8 @@ def test_on_by_default_with_cuda_graphs(llama_target, llama_draft_random, prefil
     prefills.clear()
     for draft, target in (
         (
-            DraftConfig(cuda_graphs=True, prefill_graphs=False),
-            TargetConfig(cuda_graphs=True, prefill_graphs=False),
+            DraftConfig(cuda_graphs=True, tuning=EngineTuning(prefill_graphs=False)),
+            TargetConfig(cuda_graphs=True, tuning=EngineTuning(prefill_graphs=False)),
         ),
         (DraftConfig(), TargetConfig()),  # no graphs: the flag has nothing to pad
     ):

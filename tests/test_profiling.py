@@ -21,9 +21,9 @@ def test_analyze_trace_splits_rounds_phases_and_idle():
     a = "user_annotation"
     events = [
         # round 0: draft [0, 100) with ingest [0, 30) and grow [30, 90); verify [100, 200)
-        _x("specsplit.engines.draft", a, 0, 100),
-        _x("specsplit.engines.draft.ingest", a, 0, 30),
-        _x("specsplit.engines.draft.grow", a, 30, 60),
+        _x("specsplit.draft", a, 0, 100),
+        _x("specsplit.draft.ingest", a, 0, 30),
+        _x("specsplit.draft.grow", a, 30, 60),
         _x("specsplit.verify", a, 100, 100),
         _x("cudaGraphLaunch", "cuda_runtime", 10, 5, corr=1),  # in ingest
         _x("cudaGraphLaunch", "cuda_runtime", 40, 5, corr=2),  # in grow
@@ -33,7 +33,7 @@ def test_analyze_trace_splits_rounds_phases_and_idle():
         _x("k_grow", "kernel", 60, 80, corr=2),  # GPU [60, 140)
         _x("k_verify", "kernel", 140, 50, corr=3),  # GPU [140, 190)
         # round 1: starts at 250 (glue 200..250 idles the GPU), verify only on device
-        _x("specsplit.engines.draft", a, 250, 20),
+        _x("specsplit.draft", a, 250, 20),
         _x("specsplit.verify", a, 270, 30),
         _x("cudaLaunchKernel", "cuda_runtime", 275, 2, corr=4),
         _x("k_v2", "kernel", 280, 10, corr=4),

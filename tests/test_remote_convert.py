@@ -16,16 +16,9 @@ pytest.importorskip("grpc")
 from specsplit.config import SamplingParams, TreeConfig  # noqa: E402
 from specsplit.core.tree import TokenNode, TokenTree  # noqa: E402
 from specsplit.errors import InvalidRequest  # noqa: E402
+from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
 from specsplit.remote import convert  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
-from specsplit.transport import (  # noqa: E402
-    DraftRequest,
-    DraftResult,
-    VerifyRequest,
-    VerifyResult,
-    WorkerInfo,
-    WorkerStats,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ROOT / "specsplit" / "remote" / "_generated"

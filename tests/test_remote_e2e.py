@@ -28,6 +28,7 @@ from specsplit import (  # noqa: E402
     TargetEngine,
     TreeConfig,
 )
+from specsplit.config import PipelineTuning  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -113,8 +114,7 @@ def test_unary_calls_equal_local(workers, engines, sampling: str) -> None:
     ids, mask = prompts(1, seed=4)
     ref = run(local_gen(engines, TREES["static16"]), ids, mask, SAMPLING[sampling], seed=5)
     target, drafter = workers
-    cfg = SpecSplitConfig(transport="grpc", tree=TREES["static16"], target_address=target.address,
-                          draft_address=drafter.address, timeout_s=60.0, grpc_streams=False)  # fmt: skip
+    cfg = SpecSplitConfig(transport="grpc", tree=TREES["static16"], target_address=target.address, draft_address=drafter.address, timeout_s=60.0, tuning=PipelineTuning(grpc_streams=False))  # fmt: skip
     with SpecSplitGenerator(config=cfg) as gen:
         out = run(gen, ids, mask, SAMPLING[sampling], seed=5)
         assert gen.transport._verify_stream is None and gen.transport._draft_stream is None
@@ -129,9 +129,7 @@ def test_overlapped_grpc_equals_sequential_local(workers, engines, tree: str, sa
     ids, mask = prompts(1, seed=5)
     ref = run(local_gen(engines, TREES[tree]), ids, mask, SAMPLING[sampling], seed=9, n=40)
     target, drafter = workers
-    cfg = SpecSplitConfig(transport="grpc", tree=TREES[tree], target_address=target.address,
-                          draft_address=drafter.address, timeout_s=60.0, overlap=True,
-                          overlap_policy="always")  # fmt: skip
+    cfg = SpecSplitConfig(transport="grpc", tree=TREES[tree], target_address=target.address, draft_address=drafter.address, timeout_s=60.0, overlap=True, tuning=PipelineTuning(overlap_policy="always"))  # fmt: skip
     with SpecSplitGenerator(config=cfg) as gen:
         out = run(gen, ids, mask, SAMPLING[sampling], seed=9, n=40)
     assert torch.equal(out.sequences, ref.sequences)
@@ -530,25 +528,32 @@ def test_serve_engine_options_reach_both_roles() -> None:
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command", required=True))
     default = engine_options(parser.parse_args(["serve", "draft", "--model", "m"]))
-    assert default == {"cuda_graphs": False, "compile": False, "fold_gqa": True, "fuse_projections": False}
+    assert default == {}  # every engine field keeps its config default
     opts = engine_options(parser.parse_args([
         "serve", "target", "--model", "m", "--cuda-graphs", "--no-fold-gqa", "--graph-capacity", "4096",
         "--fuse-projections", "--attention-kernel", "math",
     ]))  # fmt: skip
-    assert opts == {"cuda_graphs": True, "compile": False, "fold_gqa": False, "fuse_projections": True,
-                    "graph_capacity": 4096, "attention_kernel": "math"}  # fmt: skip
-    assert not TargetConfig(**opts).fold_gqa and not DraftConfig(**opts).fold_gqa
+    assert opts == {"cuda_graphs": True, "fuse_projections": True,
+                    "tuning": {"fold_gqa": False, "graph_capacity": 4096, "attention_kernel": "math"}}  # fmt: skip
+    assert not TargetConfig(**opts).tuning.fold_gqa and not DraftConfig(**opts).tuning.fold_gqa
     assert TargetConfig(**opts).fuse_projections and DraftConfig(**opts).fuse_projections
-    assert TargetConfig(**opts).attention_kernel == DraftConfig(**opts).attention_kernel == "math"
-    assert "graph_rounds" not in opts  # each role keeps its own default
-    assert DraftConfig(**opts).prefill_graphs and TargetConfig(**opts).prefill_graphs  # the default
+    assert (
+        TargetConfig(**opts).tuning.attention_kernel == DraftConfig(**opts).tuning.attention_kernel == "math"
+    )
+    assert "graph_rounds" not in opts["tuning"]  # each role keeps its own default
+    assert (
+        DraftConfig(**opts).tuning.prefill_graphs and TargetConfig(**opts).tuning.prefill_graphs
+    )  # the default
     opts = engine_options(
         parser.parse_args(["serve", "draft", "--model", "m", "--cuda-graphs", "--no-prefill-graphs"])
     )
-    assert not DraftConfig(**opts).prefill_graphs and not TargetConfig(**opts).prefill_graphs
+    assert not DraftConfig(**opts).tuning.prefill_graphs and not TargetConfig(**opts).tuning.prefill_graphs
     for flag, value in (("--graph-rounds", True), ("--no-graph-rounds", False)):
         opts = engine_options(parser.parse_args(["serve", "target", "--model", "m", flag]))
-        assert TargetConfig(**opts).graph_rounds is value and DraftConfig(**opts).graph_rounds is value
+        assert (
+            TargetConfig(**opts).tuning.graph_rounds is value
+            and DraftConfig(**opts).tuning.graph_rounds is value
+        )
 
 
 def test_serve_specpv_options_reach_the_config() -> None:

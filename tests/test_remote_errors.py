@@ -23,9 +23,9 @@ from specsplit.errors import (  # noqa: E402
     SessionNotFound,
     TransportError,
 )
+from specsplit.messages import DraftRequest, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats  # noqa: E402
 from specsplit.remote import GrpcTransport, serve_draft, serve_target  # noqa: E402
 from specsplit.remote.server import _SessionLocks  # noqa: E402
-from specsplit.transport import DraftRequest, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats  # noqa: E402
 
 
 class ScriptedEngine:

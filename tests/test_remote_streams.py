@@ -28,18 +28,11 @@ from specsplit.errors import (  # noqa: E402
     SessionNotFound,
     TransportError,
 )
+from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
 from specsplit.remote import GrpcTransport, serve_draft, serve_target  # noqa: E402
 from specsplit.remote import client as client_mod
 from specsplit.remote import server as server_mod  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
-from specsplit.transport import (  # noqa: E402
-    DraftRequest,
-    DraftResult,
-    VerifyRequest,
-    VerifyResult,
-    WorkerInfo,
-    WorkerStats,
-)
 
 
 class Engine:

@@ -32,6 +32,7 @@ from specsplit import (  # noqa: E402
     TransportError,
     TreeConfig,
 )
+from specsplit.config import PipelineTuning  # noqa: E402
 from specsplit.pipeline import DecodeParams, decode  # noqa: E402
 from specsplit.remote import GrpcTransport, convert, serve_draft, serve_target  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
@@ -63,8 +64,9 @@ def workers(model_dirs: tuple[Path, Path]):
 
 
 def loop_gen(target_address: str, tree: TreeConfig, tokenizer=None, **kwargs) -> SpecSplitGenerator:
+    tuning = {k: kwargs.pop(k) for k in ("overlap_policy", "grpc_streams") if k in kwargs}
     cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", tree=tree, target_address=target_address,
-                          timeout_s=60.0, **kwargs)  # fmt: skip
+                          timeout_s=60.0, tuning=PipelineTuning(**tuning), **kwargs)  # fmt: skip
     return SpecSplitGenerator(config=cfg, tokenizer=tokenizer)
 
 

@@ -18,7 +18,9 @@ from specsplit.errors import TransportError  # noqa: E402
 from specsplit.remote import GrpcTransport, convert, serve_draft, serve_target, tree_slots  # noqa: E402
 from specsplit.remote import target_loop as tl  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
-from specsplit.transport import DraftRequest, DraftResult, TreeSlotRef  # noqa: E402
+from specsplit.remote.tree_slots import SlotDraftRequest as DraftRequest  # noqa: E402
+from specsplit.remote.tree_slots import SlotDraftResult as DraftResult
+from specsplit.remote.tree_slots import TreeSlotRef
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -32,10 +32,10 @@ from specsplit.engines.partial_kv import (
     score_blocks,
     select_blocks,
 )
+from specsplit.messages import VerifyRequest, VerifyResult
 from specsplit.pipeline import DecodeParams, decode
 from specsplit.runtime.attention import ATTENTION_NAME
 from specsplit.runtime.kv_cache import StaticKVCache
-from specsplit.transport import VerifyRequest, VerifyResult
 
 VOCAB = 256
 CTX = 240  # prompt length: well above the thresholds used below
@@ -317,13 +317,13 @@ def test_partial_step_attends_to_the_view_at_true_positions(llama_pair, prompt):
         log_probs=torch.zeros(5),
     )
     captured = {}
-    orig = te._specpv.forward
+    orig = te._specpv.policy.forward
 
     def spy(*args):
         captured["step"] = orig(*args)
         return captured["step"]
 
-    te._specpv.forward = spy
+    te._specpv.policy.forward = spy
     te.verify(VerifyRequest("s", tree, [r.next_token_id], CTX))
     step = captured["step"]
     assert step.partial and step.logits.shape == (6, VOCAB)
@@ -350,13 +350,13 @@ def test_recorded_queries_are_post_rope_at_true_positions(llama_pair, prompt):
     target, _ = llama_pair
     te = TargetEngine(target, TargetConfig(specpv=_pv(**FULL_VIEW)))
     seen = {}
-    orig = te._specpv.commit
+    orig = te._specpv.policy.commit
 
     def spy(state, step, nodes, tokens):
         seen["q"] = step.recorder.queries
         return orig(state, step, nodes, tokens)
 
-    te._specpv.commit = spy
+    te._specpv.policy.commit = spy
     te.verify(VerifyRequest("s", TokenTree.empty(), prompt, 0))  # seed: records the last row
     q = seen["q"]
     assert sorted(q) == [0, 1] and q[0].shape == (1, 4, 1, 16)
@@ -593,7 +593,7 @@ def test_invariant_failure_falls_back_logged_once(llama_pair, prompt, caplog):
 
 
 def test_unhookable_model_verifies_in_full(llama_pair, prompt, monkeypatch):
-    from specsplit import specpv
+    from specsplit.engines import specpv
 
     monkeypatch.setattr(specpv, "install_attention", lambda model: False)
     target, draft = llama_pair

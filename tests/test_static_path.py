@@ -8,7 +8,7 @@ import torch
 from conftest import assert_same_sampling
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
 from specsplit.errors import ResourceExhausted
 from specsplit.runtime.graphs import StaticForward
 
@@ -18,8 +18,8 @@ PROMPT = [5, 17, 33, 81, 9, 100]
 def _cfg(shape: str, graphs: bool, capacity: int = 256) -> SpecSplitConfig:
     return SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(cuda_graphs=graphs, graph_capacity=capacity),
-        target=TargetConfig(cuda_graphs=graphs, graph_capacity=capacity),
+        draft=DraftConfig(cuda_graphs=graphs, tuning=EngineTuning(graph_capacity=capacity)),
+        target=TargetConfig(cuda_graphs=graphs, tuning=EngineTuning(graph_capacity=capacity)),
     )
 
 
@@ -103,8 +103,8 @@ def test_compiled_static_path_is_exact(llama_target, llama_draft_random):
     """``compile=True`` fuses the static-path forward with torch.compile; tokens stay exact."""
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape="static"),
-        draft=DraftConfig(cuda_graphs=True, graph_capacity=256, compile=True),
-        target=TargetConfig(cuda_graphs=True, graph_capacity=256, compile=True),
+        draft=DraftConfig(cuda_graphs=True, compile=True, tuning=EngineTuning(graph_capacity=256)),
+        target=TargetConfig(cuda_graphs=True, compile=True, tuning=EngineTuning(graph_capacity=256)),
     )
     ids = torch.tensor([PROMPT])
     ref = llama_target.generate(ids, max_new_tokens=24, do_sample=False)
@@ -118,14 +118,15 @@ def test_dynamic_round_in_one_step_equals_level_by_level(qwen_draft_random, do_s
     """``graph_rounds``: a dynamic tree grown by one device-only round (one CUDA graph on a GPU)
     is the tree grown level by level, bit for bit, on a fresh context and after new tokens."""
     from specsplit import DraftEngine, SamplingParams
-    from specsplit.transport import DraftRequest
+    from specsplit.messages import DraftRequest
 
     tree = TreeConfig(shape="dynamic", topk=3, width=2, budget=10, max_depth=5)
     sampling = SamplingParams(do_sample=do_sample, temperature=0.7, top_p=0.9)
     grown = []
     for rounds in (True, False):
         eng = DraftEngine(
-            qwen_draft_random, DraftConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=rounds)
+            qwen_draft_random,
+            DraftConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=256, graph_rounds=rounds)),
         )
         trees = [eng.generate(DraftRequest("s", PROMPT, 0, tree=tree, sampling=sampling)).tree]
         trees.append(eng.generate(DraftRequest("s", [7, 8], len(PROMPT), tree=tree, sampling=sampling)).tree)
@@ -155,8 +156,8 @@ def test_dynamic_tree_wider_than_its_budget_fits_the_workspace(llama_target, lla
     for capacity in (len(PROMPT) + 40 + 4 + 8, 256):  # too small for 56 slots: eager; roomy: static
         cfg = SpecSplitConfig(
             tree=tree,
-            draft=DraftConfig(cuda_graphs=True, graph_capacity=capacity),
-            target=TargetConfig(cuda_graphs=True, graph_capacity=capacity),
+            draft=DraftConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=capacity)),
+            target=TargetConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=capacity)),
         )
         with SpecSplitGenerator(llama_target, llama_draft_random, config=cfg) as gen:
             assert torch.equal(gen.generate(ids, max_new_tokens=40), ref)
@@ -178,8 +179,8 @@ def test_end_of_generation_adds_no_new_shapes(llama_target, llama_draft_random, 
     tree = TreeConfig(shape=shape, num_draft_tokens=4, topk=2, width=2, budget=6, max_depth=4)
     cfg = SpecSplitConfig(
         tree=tree,
-        draft=DraftConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=False),
-        target=TargetConfig(cuda_graphs=True, graph_capacity=256),
+        draft=DraftConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=256, graph_rounds=False)),
+        target=TargetConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=256)),
     )
     ids = torch.tensor([PROMPT])
     with SpecSplitGenerator(llama_target, llama_target, config=cfg) as gen:
@@ -212,8 +213,10 @@ def test_one_graph_verify_round_equals_the_eager_acceptance(llama_target, shape)
     for rounds in (False, True):
         cfg = SpecSplitConfig(
             tree=TreeConfig(shape=shape),
-            draft=DraftConfig(cuda_graphs=True, graph_capacity=256),
-            target=TargetConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=rounds),
+            draft=DraftConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=256)),
+            target=TargetConfig(
+                cuda_graphs=True, tuning=EngineTuning(graph_capacity=256, graph_rounds=rounds)
+            ),
         )
         with SpecSplitGenerator(llama_target, draft, config=cfg) as gen:
             before = gen.target_engine.forward_count
@@ -237,8 +240,8 @@ def test_one_graph_verify_round_is_off_under_sampling(qwen_target, qwen_draft_ra
     """Sampling keeps the eager acceptance (its random draws are not captured)."""
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape="static"),
-        draft=DraftConfig(cuda_graphs=True, graph_capacity=256),
-        target=TargetConfig(cuda_graphs=True, graph_capacity=256, graph_rounds=True),
+        draft=DraftConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=256)),
+        target=TargetConfig(cuda_graphs=True, tuning=EngineTuning(graph_capacity=256, graph_rounds=True)),
     )
     with SpecSplitGenerator(qwen_target, qwen_draft_random, config=cfg) as gen:
         gen.generate(

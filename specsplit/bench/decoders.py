@@ -431,7 +431,7 @@ def _grpc_decoder(
         from specsplit.remote.launch import WorkerProcess
     except ImportError as e:
         return f"specsplit.remote is not importable ({e})"
-    from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig
+    from specsplit.config import DraftConfig, EngineTuning, PipelineTuning, SpecSplitConfig, TargetConfig
     from specsplit.engines.draft import DraftEngine
     from specsplit.engines.target import TargetEngine
     from specsplit.generator import SpecSplitGenerator
@@ -447,7 +447,7 @@ def _grpc_decoder(
             # the draft worker compiles a new shape on its first call (minutes under --compile)
             peer += ["--draft-timeout", "600"] if target_loop and compile else []
             peer += ["--graph-rounds" if target_graph_rounds else "--no-graph-rounds"]
-            peer += [] if streams or not target_loop else ["--no-draft-stream"]
+            peer += [] if streams or not target_loop else ["--no-grpc-streams"]
             peer += [] if tree_ipc or not target_loop else ["--no-tree-ipc"]
             workers.append(WorkerProcess("target", m.target_name, device=m.device, dtype=m.dtype,
                                          args=extra + peer))  # fmt: skip
@@ -458,8 +458,8 @@ def _grpc_decoder(
             raise
         cfg = SpecSplitConfig(transport="grpc", draft_address=workers[0].address,
                               target_address=workers[1].address, tree=copy.deepcopy(tree),
-                              sync_timing=False, timeout_s=600.0, overlap=overlap, grpc_loop=loop,
-                              grpc_streams=streams)  # fmt: skip
+                              timeout_s=600.0, overlap=overlap, grpc_loop=loop,
+                              tuning=PipelineTuning(grpc_streams=streams))  # fmt: skip
         pgen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
         def close_processes() -> None:
@@ -472,15 +472,15 @@ def _grpc_decoder(
 
     draft = m.overlap_draft if overlap and m.overlap_draft is not None else m.specsplit_draft
     d_engine = DraftEngine(
-        draft, DraftConfig(cuda_graphs=graphs, compile=compile, prefill_graphs=prefill_graphs)
+        draft,
+        DraftConfig(cuda_graphs=graphs, compile=compile, tuning=EngineTuning(prefill_graphs=prefill_graphs)),
     )
     t_engine = TargetEngine(
         m.specsplit_target,
         TargetConfig(
             cuda_graphs=graphs,
             compile=compile,
-            graph_rounds=target_graph_rounds,
-            prefill_graphs=prefill_graphs,
+            tuning=EngineTuning(graph_rounds=target_graph_rounds, prefill_graphs=prefill_graphs),
         ),
     )
     d_srv = serve_draft(d_engine, port=0, host="127.0.0.1")
@@ -493,8 +493,8 @@ def _grpc_decoder(
         tree_slots=tree_ipc,
     )
     cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
-                          tree=copy.deepcopy(tree), sync_timing=sync, timeout_s=600.0, overlap=overlap,
-                          grpc_loop=loop, grpc_streams=streams)  # fmt: skip
+                          tree=copy.deepcopy(tree), timeout_s=600.0, overlap=overlap, grpc_loop=loop,
+                          tuning=PipelineTuning(sync_timing=sync, grpc_streams=streams))  # fmt: skip
     gen = SpecSplitGenerator(None, None, tokenizer=m.tokenizer, config=cfg)
 
     def close() -> None:
@@ -541,7 +541,14 @@ def build_decoders(
             draft/verify split is exact on a GPU (``SpecSplitConfig.sync_timing``); it costs speed,
             because the host then cannot queue the verification while the draft still runs.
     """
-    from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig, TreeConfig
+    from specsplit.config import (
+        DraftConfig,
+        EngineTuning,
+        PipelineTuning,
+        SpecSplitConfig,
+        TargetConfig,
+        TreeConfig,
+    )
     from specsplit.generator import SpecSplitGenerator
 
     sync = sync_timing and any(
@@ -675,18 +682,18 @@ def build_decoders(
                 prefill = (prefill_graphs or padded) and graphs
                 cfg = SpecSplitConfig(
                     tree=copy.deepcopy(trees.get(base, trees["specsplit-chain"])),
-                    sync_timing=sync,
+                    tuning=PipelineTuning(sync_timing=sync),
                     draft=DraftConfig(
                         cuda_graphs=graphs,
                         compile=fuse,
-                        graph_rounds=not base.endswith("-levels"),
-                        prefill_graphs=prefill,
+                        tuning=EngineTuning(
+                            graph_rounds=not base.endswith("-levels"), prefill_graphs=prefill
+                        ),
                     ),
                     target=TargetConfig(
                         cuda_graphs=graphs,
                         compile=fuse,
-                        graph_rounds=target_graph_rounds,
-                        prefill_graphs=prefill,
+                        tuning=EngineTuning(graph_rounds=target_graph_rounds, prefill_graphs=prefill),
                     ),
                     overlap=name.startswith("specsplit-overlap"),
                 )

@@ -13,12 +13,9 @@ timed call. Results go to ``<out>/<machine>-<date>.{json,md,png}`` (see :mod:`sp
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,7 +29,6 @@ from specsplit.bench.decoders import (
     ASSISTED,
     BASELINE,
     DECODERS,
-    OPTIONAL_DECODERS,
     PROMPT_LOOKUP_TOKENS,
     DecodeOutput,
     Decoder,
@@ -55,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = "specsplit-bench/1"
 CATEGORIES = ("chat", "code", "translation", "summarization", "qa", "math")
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts"
 _ROLES = ("system", "user", "assistant")
 
 
@@ -431,249 +427,3 @@ def _markdown(result: dict[str, Any]) -> str:
     from specsplit.bench.ties import to_markdown as ties_markdown
 
     return to_markdown(result) + ties_markdown(result.get("tie_analysis"))
-
-
-# --------------------------------------------------------------------------------------------- CLI
-
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    """Register ``specsplit bench`` on the top-level sub-parsers."""
-    p = sub.add_parser("bench", help="benchmark SpecSplit against Hugging Face baselines on the same prompts")
-    p.add_argument(
-        "--suite",
-        choices=sorted(SUITES),
-        default="quick",
-        help="smoke: tiny random models, <1 min; quick: Qwen pair, 1 prompt per category, 32 tokens; "
-        "full: all prompts, 128 tokens, 3 repeats",
-    )
-    p.add_argument("--device", default=None, help="target device (default cuda:0 if available, else cpu)")
-    p.add_argument("--draft-device", default=None, help="draft device (default: --device)")
-    p.add_argument("--target", default=None, help="target alias or directory (default: the Qwen 1.5B)")
-    p.add_argument(
-        "--draft", default=None, help="draft alias or directory, or self:N (first N target layers)"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: bfloat16 on CUDA, float32 on CPU",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=None, help="override the suite's token count")
-    p.add_argument("--repeats", type=int, default=None, help="override the suite's timed repeats")
-    p.add_argument(
-        "--baseline-repeats",
-        type=int,
-        default=None,
-        help="time the Hugging Face decoders (hf-*) in the first N repeats only (they are the slow ones)",
-    )
-    p.add_argument(
-        "--grpc-workers",
-        choices=["process", "thread"],
-        default="process",
-        help="specsplit-grpc: workers as separate `specsplit serve` processes (default; real models) or "
-        "as servers inside the bench process (they then share its GIL)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="SpecSplit engines fuse their static-path forwards with torch.compile (experimental; "
-        "compiles on first use)",
-    )
-    p.add_argument(
-        "--sync-timing",
-        action="store_true",
-        help="synchronise the GPU after each draft so the draft/verify split is exact (slower); "
-        "without it the split is host-side wall time and the GPU work of a phase may spill into the next",
-    )
-    p.add_argument(
-        "--target-graph-rounds",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every SpecSplit target (local, and the gRPC target workers) verifies a greedy round in one "
-        "CUDA graph (TargetConfig.graph_rounds, the default; --no-target-graph-rounds for the A/B: the "
-        "forward alone in a graph, `specsplit serve --no-graph-rounds`)",
-    )
-    p.add_argument(
-        "--prefill-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every SpecSplit engine with CUDA graphs, local or a gRPC worker, runs a prompt's forward "
-        "padded to a bucket and replayed from one CUDA graph per bucket (DraftConfig/TargetConfig."
-        "prefill_graphs, the default; --no-prefill-graphs for the A/B: eager prompt forwards, "
-        "`specsplit serve --no-prefill-graphs`, except the -prefill decoders')",
-    )
-    p.add_argument(
-        "--fuse-projections",
-        action="store_true",
-        help="every SpecSplit decoder, local or a gRPC worker, runs copies of the models with q/k/v and "
-        "gate/up fused into one GEMM each (specsplit.runtime.fused, `specsplit serve --fuse-projections`); the HF "
-        "decoders keep the originals. Costs one more copy of each model",
-    )
-    p.add_argument(
-        "--overlap-draft-device",
-        default=None,
-        help="a copy of the draft on this device for the overlapped decoders (e.g. cuda:1; default: --draft-device)",
-    )
-    p.add_argument("--prompts-per-category", type=int, default=None, help="override the suite's prompt count")
-    p.add_argument(
-        "--decoders",
-        default=",".join(DECODERS),
-        help=f"comma-separated subset of {','.join(DECODERS)} (the default), plus the optional "
-        f"{','.join(OPTIONAL_DECODERS)} (CUDA graphs fused by torch.compile, beside the plain ones)",
-    )
-    p.add_argument(
-        "--num-draft-tokens", type=int, default=4, help="K for hf-assisted and the SpecSplit chain"
-    )
-    p.add_argument(
-        "--dynamic-tree",
-        default=None,
-        metavar="TOPK,WIDTH,BUDGET,DEPTH",
-        help="shape of the dynamic-tree decoders (default: TreeConfig's, 4,4,24,6)",
-    )
-    p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="SpecSplit engines replay fixed-shape steps from CUDA graphs",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="directory of *.jsonl prompt files")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results directory")
-    p.add_argument("--tag", default="", help="suffix for the result file names")
-    p.add_argument("--note", action="append", default=[], help="a note stored with the results (repeatable)")
-    p.add_argument(
-        "--tie-analysis",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="check every greedy mismatch vs hf-target is a numerical near-tie (float32 copy of the target); "
-        "default: when the dtype is not float32 and some output differs",
-    )
-    p.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        help="run nothing: rewrite the .md and .png next to an existing results .json",
-    )
-    p.set_defaults(func=_cmd_bench)
-
-
-def _rerender(path: Path) -> int:
-    """Write ``<stem>.md`` and ``<stem>.png`` from ``<stem>.json`` (e.g. a GPU run without matplotlib)."""
-    result = json.loads(path.read_text(encoding="utf-8"))
-    if result.get("schema") != SCHEMA:
-        print(f"specsplit bench: {path} is not a {SCHEMA} results file", file=sys.stderr)
-        return 2
-    md, png = path.with_suffix(".md"), path.with_suffix(".png")
-    md.write_text(_markdown(result), encoding="utf-8")
-    print(f"wrote md: {md}")
-    if write_plot(result, png):
-        print(f"wrote png: {png}")
-    return 0
-
-
-def _command_line(args: argparse.Namespace, device: str) -> str:
-    """The command that reproduces this run, every option spelled out with the value used."""
-    parts = ["specsplit", "bench", "--suite", args.suite, "--device", device]
-    for opt in (
-        "draft_device",
-        "overlap_draft_device",
-        "baseline_repeats",
-        "target",
-        "draft",
-        "max_new_tokens",
-        "repeats",
-        "prompts_per_category",
-        "tag",
-    ):
-        val = getattr(args, opt)
-        if val not in (None, ""):
-            parts += [f"--{opt.replace('_', '-')}", str(val)]
-    parts += ["--dtype", args.dtype, "--num-draft-tokens", str(args.num_draft_tokens)]
-    if args.dynamic_tree:
-        parts += ["--dynamic-tree", args.dynamic_tree]
-    if args.threads:
-        parts += ["--threads", str(args.threads)]
-    if args.cuda_graphs:
-        parts.append("--cuda-graphs")
-    if args.compile:
-        parts.append("--compile")
-    parts += ["--grpc-workers", args.grpc_workers]
-    if args.sync_timing:
-        parts.append("--sync-timing")
-    if not args.target_graph_rounds:
-        parts.append("--no-target-graph-rounds")
-    if not args.prefill_graphs:
-        parts.append("--no-prefill-graphs")
-    if args.fuse_projections:
-        parts.append("--fuse-projections")
-    if args.tie_analysis is not None:
-        parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
-    parts += ["--decoders", args.decoders, "--out", str(args.out)]
-    if Path(args.prompts).resolve() != DEFAULT_PROMPTS:
-        parts += ["--prompts", str(args.prompts)]
-    return shlex.join(parts)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if getattr(args, "verbose", 0) == 0:  # long runs: show progress
-        logging.getLogger(__name__).setLevel(logging.INFO)
-    if args.from_json is not None:
-        return _rerender(args.from_json)
-    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    opts = BenchOptions(
-        suite=args.suite,
-        device=device,
-        draft_device=args.draft_device,
-        target=args.target,
-        draft=args.draft,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        prompts_per_category=args.prompts_per_category,
-        decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()),
-        num_draft_tokens=args.num_draft_tokens,
-        threads=args.threads,
-        cuda_graphs=args.cuda_graphs,
-        compile=args.compile,
-        grpc_workers=args.grpc_workers,
-        prompts_dir=args.prompts,
-        out=args.out,
-        tag=args.tag,
-        notes=list(args.note),
-        command=_command_line(args, device),
-        tie_analysis=args.tie_analysis,
-        baseline_repeats=args.baseline_repeats,
-        overlap_draft_device=args.overlap_draft_device,
-        sync_timing=args.sync_timing,
-        target_graph_rounds=args.target_graph_rounds,
-        prefill_graphs=args.prefill_graphs,
-        fuse_projections=args.fuse_projections,
-    )
-    try:
-        opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)
-    except ValueError as e:
-        print(f"specsplit bench: error: {e}", file=sys.stderr)
-        return 2
-    counts = (
-        opts.num_draft_tokens,
-        opts.max_new_tokens,
-        opts.repeats,
-        opts.prompts_per_category,
-        opts.threads,
-        opts.baseline_repeats,
-    )
-    if any(x is not None and x < 1 for x in counts):
-        print(
-            "specsplit bench: --num-draft-tokens, --max-new-tokens, --repeats, --prompts-per-category "
-            "and --threads must be >= 1",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        result = run_bench(opts)
-    except ValueError as e:
-        print(f"specsplit bench: error: {e}", file=sys.stderr)
-        return 2
-    print(_markdown(result))
-    for kind, path in result["files"].items():
-        print(f"wrote {kind}: {path}")
-    return 0

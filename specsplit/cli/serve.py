@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specsplit.cli.main import add_model_kernel_flags, check_kernel_flags
+from specsplit.cli.common import add_engine_flags, add_tuning_flags, check_engine_flags, engine_overrides
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=50051, help="TCP port (0 picks a free one)")
     p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda:0 or cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    add_engine_flags(p)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS, needs --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument(
@@ -47,18 +47,6 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree accepted")
     p.add_argument("--max-tree-depth", type=int, default=64, help="deepest tree accepted")
     p.add_argument("--max-context", type=int, default=32768, help="most tokens one session may hold")
-    p.add_argument("--q-top-k", type=int, default=None, help="draft: support size of the sampled q")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay fixed-shape steps from CUDA graphs")
-    p.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
-    p.add_argument("--compile", action="store_true", help="fuse the fixed-shape steps with torch.compile")
-    p.add_argument(
-        "--graph-rounds",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --cuda-graphs, capture a whole round in one graph: the draft's tree growth (default on) "
-        "or the target's greedy verification (both default on; --no-graph-rounds: one graph per forward)",
-    )
-    add_model_kernel_flags(p)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
         "--draft-address",
@@ -73,22 +61,6 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="target: deadline in seconds of each call to the draft worker (default 60). A call past it "
         "makes the round target-only and the draft worker is probed again later; raise it when the "
         "draft worker compiles (--compile) new shapes on first use, which can take longer",
-    )
-    p.add_argument(
-        "--draft-stream",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="target: call the draft worker over one long-lived gRPC stream (default; about half a "
-        "unary call's latency); --no-draft-stream: one unary call a round",
-    )
-    p.add_argument(
-        "--tree-ipc",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="target: with the draft worker on this host and both on CUDA GPUs, read each round's "
-        "tree from the draft worker's GPU memory (CUDA IPC) instead of its reply, so verification is "
-        "queued behind the draft's GPU work (default; falls back to replies where it cannot); "
-        "--no-tree-ipc: trees always travel in replies. SPECSPLIT_TREE_IPC=0 turns it off on either worker",
     )
     p.add_argument(
         "--draft-auth-token-file",
@@ -118,6 +90,23 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="target: SpecPV verifies a round in full when a partial step decides a token by a smaller logit margin",
     )
+    add_tuning_flags(p)
+    g = next(g for g in p._action_groups if g.title == "tuning")
+    g.add_argument(
+        "--grpc-streams",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="target: call the draft worker over one long-lived gRPC stream (default on; about half a "
+        "unary call's latency); --no-grpc-streams: one unary call a round",
+    )
+    g.add_argument(
+        "--tree-ipc",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="target: with the draft worker on this host and both on CUDA GPUs, read each round's tree from "
+        "the draft worker's GPU memory (CUDA IPC) instead of its reply (default on; falls back to replies "
+        "where it cannot); --no-tree-ipc: trees always travel in replies",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -140,12 +129,12 @@ def _load(args: argparse.Namespace) -> torch.nn.Module:
     from specsplit.runtime.runner import default_device, resolve_dtype
 
     device = args.device or str(default_device())
-    return load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+    return load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
 
 
 def specpv_config(args: argparse.Namespace) -> Any:
     """The target's ``SpecPVConfig`` from the ``--specpv*`` options (defaults where not given)."""
-    from specsplit.engines.partial_kv import SpecPVConfig
+    from specsplit.config import SpecPVConfig
 
     given = {
         "partial_threshold": args.specpv_threshold,
@@ -158,21 +147,8 @@ def specpv_config(args: argparse.Namespace) -> Any:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine-config fields both roles take from ``serve``'s flags."""
-    common: dict[str, Any] = {
-        "cuda_graphs": args.cuda_graphs,
-        "compile": args.compile,
-        "fold_gqa": not args.no_fold_gqa,
-        "fuse_projections": args.fuse_projections,
-    }
-    if args.attention_kernel:
-        common["attention_kernel"] = args.attention_kernel
-    if args.graph_capacity is not None:
-        common["graph_capacity"] = args.graph_capacity
-    if args.graph_rounds is not None:
-        common["graph_rounds"] = args.graph_rounds
-    if args.prefill_graphs is not None:
-        common["prefill_graphs"] = args.prefill_graphs
+    """The engine-config fields both roles take from ``serve``'s flags (``tuning`` as a dict)."""
+    common = engine_overrides(args)
     if args.max_sessions is not None:
         common["max_sessions"] = args.max_sessions
     if args.session_ttl is not None:
@@ -187,7 +163,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
-    check_kernel_flags(args)
+    check_engine_flags(args)
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
     token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
     draft_peer: dict[str, Any] = {}
@@ -195,13 +171,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.draft_address
         or args.draft_auth_token_file
         or args.draft_tls_ca
-        or not args.draft_stream
-        or not args.tree_ipc
+        or args.grpc_streams is not None
+        or args.tree_ipc is not None
         or args.draft_timeout is not None
     ):
         raise ConfigError(
-            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --no-draft-stream "
-            "and --no-tree-ipc are target options"
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --[no-]grpc-streams "
+            "and --[no-]tree-ipc are target options"
         )
     if args.draft_timeout is not None and args.draft_timeout <= 0:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
@@ -212,8 +188,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 args.draft_auth_token_file, "SPECSPLIT_DRAFT_AUTH_TOKEN", "--draft-auth-token-file"
             ),
             "draft_tls_ca_file": args.draft_tls_ca,
-            "draft_streams": args.draft_stream,
-            "tree_slots": args.tree_ipc,
+            "draft_streams": args.grpc_streams is not False,
+            "tree_slots": args.tree_ipc is not False,
         }
         if args.draft_timeout is not None:
             draft_peer["draft_timeout_s"] = args.draft_timeout
@@ -228,8 +204,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "draft":
         from specsplit.engines.draft import DraftEngine
 
-        extra = {"q_top_k": args.q_top_k} if args.q_top_k is not None else {}
-        dcfg = DraftConfig(model=args.model, device=args.device, dtype=args.dtype, **common, **extra)
+        dcfg = DraftConfig(model=args.model, device=args.device, **common)
         engine = DraftEngine(_load(args), config=dcfg)
     else:
         from specsplit.engines.target import TargetEngine
@@ -239,7 +214,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             specpv=pv,
             model=args.model,
             device=args.device,
-            dtype=args.dtype,
             max_tree_nodes=args.max_tree_nodes,
             max_tree_depth=args.max_tree_depth,
             max_context=args.max_context,

@@ -35,3 +35,15 @@ def empty_pinned(n: int, dtype: torch.dtype) -> torch.Tensor:
     """A page-locked `[n]` host buffer, never allocated while another thread captures a CUDA graph."""
     with CAPTURE_LOCK:
         return torch.empty(n, dtype=dtype, pin_memory=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy ``t`` to ``device`` without a hidden host sync.
+
+    A copy from pageable host memory waits for the device queue; staging through pinned memory
+    lets the host keep launching work while the GPU is busy.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or t.device.type != "cpu":
+        return t.to(dev, non_blocking=True)
+    return pin(t).to(dev, non_blocking=True)

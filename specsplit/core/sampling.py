@@ -8,9 +8,33 @@ Sampling uses the exponential-race trick (``argmax(p / E)``, ``E ~ Exp(1)``), wh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from specsplit.config import SamplingParams
+from specsplit.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """How tokens are chosen; ONE definition used by the draft, the target and the pipeline.
+
+    ``top_k=0`` and ``top_p=1.0`` disable those filters. With ``do_sample=False`` the output is
+    the target's greedy decoding and the other fields are ignored.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -10,32 +10,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import astuple, dataclass
 
 import torch
 
-from specsplit.config import DraftConfig, SamplingParams, TreeConfig, resolved_attention_kernel
-from specsplit.core.sampling import (
-    logits_to_probs,
-    make_generator,
-    sample_without_replacement,
-    truncate_top_k,
-)
-from specsplit.core.tree import StaticTreePlan, TokenTree, dynamic_level_widths
-from specsplit.core.tree_attention import ancestor_matrix, bool_mask_to_float, build_verify_attention
+from specsplit.config import DraftConfig, TreeConfig
+from specsplit.core.growth import DynamicShape, PlanTensors, grow_dynamic_tree, grow_static_tree, main_path
+from specsplit.core.sampling import SamplingParams, make_generator
+from specsplit.core.tree import StaticTreePlan, TokenTree
+from specsplit.core.tree_attention import bool_mask_to_float
+from specsplit.engines.base import EngineBase, desync_error
 from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
-from specsplit.runtime.graphs import GraphedRound, StaticForward, Workspace, kv_bucket
+from specsplit.messages import DraftRequest, DraftResult, WorkerStats
+from specsplit.runtime.graphs import GraphedRound, StaticForward, kv_bucket
 from specsplit.runtime.kv_cache import StaticKVCache
-from specsplit.runtime.runner import (
-    PROTOCOL_VERSION,
-    ModelRunner,
-    desync_error,
-    h2d,
-    make_store,
-    sync_device,
-)
-from specsplit.transport import DraftRequest, DraftResult, WorkerInfo, WorkerStats
+from specsplit.runtime.runner import h2d
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +45,7 @@ class DraftCacheState:
         return len(self.cached_prompt_ids)
 
 
-@dataclass(frozen=True)
-class _PlanTensors:
-    parents: torch.Tensor  # [N]
-    depths: torch.Tensor  # [N]
-    anc: torch.Tensor  # [N, N] bool
-    levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], ...]
-    # per level: (local parent index [W], rank [W], node index [W], start, end, kmax)
-
-
-class DraftEngine:
+class DraftEngine(EngineBase[DraftCacheState]):
     """The draft side of speculative decoding.
 
     Args:
@@ -73,60 +53,19 @@ class DraftEngine:
         config: engine settings.
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, config: DraftConfig | None = None):
-        self.config = config or DraftConfig()
-        self.runner = ModelRunner(
-            model,
-            self.config.model,
-            self.config.device,
-            None,
-            self.config.dtype,
-            fold_gqa=self.config.fold_gqa,
-            attention_kernel=resolved_attention_kernel(self.config.attention_kernel, self.config.cuda_graphs),
-            fuse_projections=self.config.fuse_projections,
-        )
-        self._store = make_store(
-            self.config.max_sessions, self.config.session_ttl_s, "draft-sessions", self._on_evict
-        )
-        self._plans: dict[tuple[StaticTreePlan, str], _PlanTensors] = {}
-        self._rounds: dict[tuple[DynamicShape, tuple[object, ...], int], GraphedRound] = {}
-        self._ingest_layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._workspace = Workspace(
-            self.runner, self.config.graph_capacity, use_graphs=True, compile=self.config.compile
-        )
+    role = "draft"
 
-    def _on_evict(self, session_id: str, state: DraftCacheState) -> None:
-        self._workspace.release(session_id)
+    def __init__(self, model: torch.nn.Module | None = None, config: DraftConfig | None = None):
+        self.config: DraftConfig = config or DraftConfig()
+        super().__init__(model, self.config)
+        self._plans: dict[StaticTreePlan, PlanTensors] = {}
+        self._ingest_layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _new_state(self, session_id: str, capacity: int) -> DraftCacheState:
-        if self.config.cuda_graphs:
-            ws = self._workspace.acquire(session_id, capacity)
-            if ws is not None:
-                return DraftCacheState(ws, [], static=True)
+        ws = self._acquire_workspace(session_id, capacity)
+        if ws is not None:
+            return DraftCacheState(ws, [], static=True)
         return DraftCacheState(self.runner.new_cache(capacity), [])
-
-    # ------------------------------------------------------------------ lifecycle
-    def load_model(self) -> None:
-        self.runner.load_model()
-
-    @property
-    def is_loaded(self) -> bool:
-        return self.runner.is_loaded
-
-    @property
-    def model_vocab_size(self) -> int:
-        return self.runner.vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.output_device
-
-    @property
-    def active_sessions(self) -> int:
-        return len(self._store)
-
-    def end_session(self, session_id: str) -> bool:
-        return self._store.pop(session_id)
 
     def reset_cache(self, session_id: str | None = None) -> None:
         """Forget one session's cache, or every session's."""
@@ -134,24 +73,6 @@ class DraftEngine:
             self._store.clear()
         else:
             self._store.pop(session_id)
-
-    def purge_stale_sessions(self, ttl_seconds: float | None = None) -> int:
-        return self._store.purge_stale(ttl_seconds)
-
-    def shutdown(self) -> None:
-        self._store.stop_purger()
-        self._store.clear()
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            worker_type="draft",
-            model_name=self.runner.model_name,
-            vocab_size=self.runner.vocab_size if self.is_loaded else 0,
-            dtype=str(self.runner.dtype).replace("torch.", "") if self.is_loaded else "",
-            device=str(self.device) if self.is_loaded else "",
-            protocol_version=PROTOCOL_VERSION,
-            active_sessions=self.active_sessions,
-        )
 
     # ------------------------------------------------------------------ legacy convenience
     def generate_draft_tree(
@@ -189,9 +110,9 @@ class DraftEngine:
         if req.prefix_length < 0:
             raise InvalidRequest(f"prefix_length must be >= 0, got {req.prefix_length}")
         if req.tree.shape != "dynamic" and req.sampling.do_sample:
-            if self.config.q_top_k < req.tree.static_plan().max_branch:
+            if self.config.tuning.q_top_k < req.tree.static_plan().max_branch:
                 raise ConfigError(
-                    f"draft.q_top_k={self.config.q_top_k} is smaller than the tree's widest fan-out "
+                    f"draft.tuning.q_top_k={self.config.tuning.q_top_k} is smaller than the tree's widest fan-out "
                     f"({req.tree.static_plan().max_branch}); raise q_top_k"
                 )
         stats = WorkerStats(device=str(self.device))
@@ -314,21 +235,13 @@ class DraftEngine:
             out = self._workspace.static.run(ids, steps + length, length, blocks[len(todo)])
             logits = out[len(todo) - 1].clone()  # [V]; the graph's buffer is reused
             cache.set_length(length + len(todo))
-        elif (
-            state.static
-            and self.config.prefill_graphs
-            and length + len(todo) + req.tree.draft_slots <= cache.capacity
-            and (padded := self._workspace.static.run_prefill(torch.tensor(todo, dtype=torch.long), length))
-            is not None
-        ):  # a prompt: padded to a bucket, replayed from that bucket's graph
-            logits = padded[0].clone()  # [V]
-            cache.set_length(length + len(todo))
-        else:
-            cache.ensure_capacity(max(capacity, length + len(todo) + req.tree.draft_slots + 8))
-            ids = torch.tensor([todo], dtype=torch.long)
-            empty = torch.zeros(0, dtype=torch.long)
-            mask, pos2d = build_verify_attention(empty, length, len(todo), self.runner.dtype)
-            logits = self.runner.forward(ids, pos2d, mask, cache, logits_to_keep=1)[-1]  # [V]
+        else:  # a prompt: padded to a bucket and replayed from its graph, or eager
+            grow_to = max(capacity, length + len(todo) + req.tree.draft_slots + 8)
+            ids = torch.tensor(todo, dtype=torch.long)
+            out = self._prompt_forward(
+                state.static, cache, ids, len(todo), None, req.tree.draft_slots, grow_to
+            )
+            logits = out[-1].clone() if state.static else out[-1]  # [V]; a graph's buffer is reused
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += len(todo)
         stats.forwards += 1
@@ -364,27 +277,16 @@ class DraftEngine:
         if req.tree.shape == "dynamic":
             return self._grow_dynamic(state, root_logits, req, depth, stats)
         plan = req.tree.static_plan().truncated(depth)
-        return self._grow_static(state, root_logits, plan, req.sampling, gen, stats)
-
-    def _plan_tensors(self, plan: StaticTreePlan) -> _PlanTensors:
-        key = (plan, str(self.device))
-        pt = self._plans.get(key)
+        pt = self._plans.get(plan)
         if pt is None:
-            dev = self.device
+            pt = self._plans[plan] = PlanTensors.build(plan, self.device)
+        committed = state.kv_cache.seq_len
 
-            def on_dev(values: list[int] | tuple[int, ...]) -> torch.Tensor:
-                return h2d(torch.tensor(values, dtype=torch.long), dev)  # pinned: no host sync
+        def level(d: int, tokens: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+            positions = torch.full((tokens.shape[0],), committed + d, dtype=torch.long, device=self.device)
+            return self._level_forward(state, tokens, allowed, positions, committed, stats)
 
-            parents = on_dev(plan.parents)
-            levels = []
-            prev: tuple[int, ...] = (-1,)
-            for idx, par, rank in plan.levels:
-                local = on_dev([prev.index(p) for p in par])
-                levels.append((local, on_dev(rank), on_dev(idx), idx[0], idx[-1] + 1, max(rank) + 1))
-                prev = idx
-            pt = _PlanTensors(parents, on_dev(plan.depths), ancestor_matrix(parents), tuple(levels))
-            self._plans[key] = pt
-        return pt
+        return grow_static_tree(root_logits, plan, pt, req.sampling, self.config.tuning.q_top_k, gen, level)
 
     def _level_forward(
         self,
@@ -414,52 +316,6 @@ class DraftEngine:
         stats.forwards += 1
         return logits  # [W, V]
 
-    def _grow_static(
-        self,
-        state: DraftCacheState,
-        root_logits: torch.Tensor,
-        plan: StaticTreePlan,
-        sampling: SamplingParams,
-        gen: torch.Generator | None,
-        stats: WorkerStats,
-    ) -> TokenTree:
-        dev = self.device
-        pt = self._plan_tensors(plan)
-        n = plan.num_nodes
-        committed = state.kv_cache.seq_len
-        tokens = torch.zeros(n, dtype=torch.long, device=dev)
-        logq = torch.zeros(n, dtype=torch.float32, device=dev)
-        kq = self.config.q_top_k
-        q_ids = torch.zeros(n, kq, dtype=torch.long, device=dev) if sampling.do_sample else None
-        q_probs = torch.zeros(n, kq, dtype=torch.float32, device=dev) if sampling.do_sample else None
-        parent_logits = root_logits[None]  # [P, V]
-        for d, (local, rank, _idx, start, end, kmax) in enumerate(pt.levels):
-            probs = logits_to_probs(parent_logits, sampling)  # [P, V]
-            if q_ids is None or q_probs is None:
-                vals, ids = torch.topk(probs, kmax, dim=-1)  # deterministic top-k expansion
-                tok = ids[local, rank]
-                logq[start:end] = vals[local, rank].clamp_min(1e-30).log()
-            else:
-                sids, sprobs = truncate_top_k(probs, kq)  # [P, Kq]
-                order = sample_without_replacement(sprobs, kmax, gen)  # [P, kmax] draw order
-                # q of the r-th sibling: the truncated q without siblings drawn before it.
-                drawn = torch.nn.functional.one_hot(order, sprobs.shape[-1]).bool()  # [P, kmax, Kq]
-                earlier = (drawn.cumsum(1) - drawn.long()) > 0
-                qs = sprobs[:, None, :].masked_fill(earlier, 0.0)
-                qs = qs / qs.sum(-1, keepdim=True).clamp_min(1e-30)  # exhausted rows stay 0
-                pos = order[local, rank]  # [W]
-                tok = sids[local, pos]
-                q_ids[start:end] = sids[local]
-                q_probs[start:end] = qs[local, rank]
-                logq[start:end] = qs[local, rank].gather(1, pos[:, None]).squeeze(1).clamp_min(1e-30).log()
-            tokens[start:end] = tok
-            if d + 1 < len(pt.levels):
-                positions = torch.full((end - start,), committed + d, dtype=torch.long, device=dev)
-                parent_logits = self._level_forward(
-                    state, tok, pt.anc[start:end, :end], positions, committed, stats
-                )
-        return TokenTree(tokens, pt.parents, pt.depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
-
     def _grow_dynamic(
         self,
         state: DraftCacheState,
@@ -472,7 +328,7 @@ class DraftEngine:
         committed = state.kv_cache.seq_len
         shape = DynamicShape(cfg.topk, cfg.width, cfg.budget, depth)
         t = time.perf_counter()
-        if state.static and self.config.graph_rounds and depth > 1:
+        if state.static and self.config.tuning.graph_rounds and depth > 1:
             static = self._workspace.static
             end = committed + shape.forwarded
             if end > static.capacity:
@@ -481,10 +337,9 @@ class DraftEngine:
                 )
             bucket = kv_bucket(end, static.capacity)
             key = (shape, astuple(req.sampling) if req.sampling.do_sample else (), bucket)
-            rnd = self._rounds.get(key)
-            if rnd is None:
-                rnd = self._tree_round(static, shape, req.sampling, bucket, root_logits)
-                self._rounds[key] = rnd
+            rnd = self._round_graph(
+                key, lambda: self._tree_round(static, shape, req.sampling, bucket, root_logits)
+            )
             packed, logq = rnd(root_logits, committed)
             packed, logq = packed.clone(), logq.clone()  # the graph's outputs are reused next round
             tok, parent, dep = packed.unbind(0)
@@ -525,13 +380,6 @@ class DraftEngine:
         ctx = torch.zeros((), dtype=torch.long)
         return GraphedRound(static, body, [root, ctx])
 
-    # ------------------------------------------------------------------ misc
-    def synchronize(self) -> None:
-        sync_device(self.device)
-
-    def __repr__(self) -> str:
-        return f"DraftEngine(model={self.runner.model_name!r}, sessions={self.active_sessions})"
-
 
 def _require_length(state: DraftCacheState, req: DraftRequest) -> None:
     if req.prefix_length != state.cached_prompt_len:
@@ -551,117 +399,3 @@ def _reuse_prefix(state: DraftCacheState, base: int, new: list[int]) -> list[int
     state.kv_cache.rollback(keep)
     del state.cached_prompt_ids[keep:]
     return new[keep - base :]
-
-
-def main_path(tree: TokenTree) -> list[int]:
-    """Token ids along the first child of every level, root to leaf (the draft's likeliest path:
-    children are stored best first). One small host read of the tree."""
-    if tree.num_nodes == 0:
-        return []
-    n = tree.num_nodes
-    idx = torch.arange(n, device=tree.device)
-    first = torch.full((n + 1,), n, dtype=torch.long, device=tree.device)
-    first.scatter_reduce_(0, tree.parents + 1, idx, reduce="amin")  # first child of each node (+1)
-    packed = torch.cat([first, tree.token_ids]).tolist()
-    first_child, tokens = packed[: n + 1], packed[n + 1 :]
-    path, node = [], first_child[0]
-    while node < n:  # at most the tree depth
-        path.append(tokens[node])
-        node = first_child[node + 1]
-    return path
-
-
-@dataclass(frozen=True)
-class DynamicShape:
-    """The fixed shape of a dynamic tree round: top-``topk`` children per expanded node, the
-    ``width`` best nodes of each level expanded, ``budget`` nodes kept, ``depth`` levels."""
-
-    topk: int
-    width: int
-    budget: int
-    depth: int
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        """Nodes forwarded at levels 1 .. depth - 1."""
-        return dynamic_level_widths(self.topk, self.width, self.depth)
-
-    @property
-    def forwarded(self) -> int:
-        return sum(self.widths)
-
-
-def grow_dynamic_tree(
-    root_logits: torch.Tensor,
-    shape: DynamicShape,
-    sampling: SamplingParams,
-    level: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EAGLE-2 style: expand the top-``width`` candidates of each level by cumulative draft
-    log-probability, then keep the ``budget`` best nodes overall (always a valid tree, since a
-    child's cumulative score never exceeds its parent's). Expansion is deterministic top-k, so
-    ``q`` is one-hot and verification stays lossless under sampling.
-
-    Device ops only, with shapes fixed by ``shape``: the same code runs eagerly or captured as one
-    graph. ``level(d, tokens [W], allowed [W, n])`` forwards the ``W`` frontier nodes at depth ``d``
-    (``allowed``: their ancestors among the ``n`` nodes forwarded so far, this level last) and
-    returns their `[W, V]` logits.
-
-    Returns:
-        ``(tokens, parents, depths, log_q)``, each `[min(budget, pool)]`, in BFS order.
-    """
-    dev = root_logits.device
-    k = shape.topk
-    probs = logits_to_probs(root_logits[None], sampling)  # [1, V]
-    vals, ids = torch.topk(probs, k, dim=-1)
-    pool_tok = [ids[0]]
-    pool_score = [vals[0].clamp_min(1e-30).log()]
-    pool_logq = [pool_score[0]]
-    pool_parent = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-    pool_depth = [torch.ones(k, dtype=torch.long, device=dev)]
-    size = k  # pool size so far (host int: shapes are static)
-    level_start, level_len = 0, k
-    fw_slot = torch.full((k + shape.forwarded * k,), -1, dtype=torch.long, device=dev)
-    fw_anc = torch.zeros(0, 0, dtype=torch.bool, device=dev)
-    n_fw = 0
-    for d, width in enumerate(shape.widths, start=1):
-        cat_score = torch.cat(pool_score)
-        front = level_start + torch.topk(cat_score[level_start : level_start + level_len], width).indices
-        # Ancestors of the frontier among forwarded nodes: the parent's row plus itself.
-        par = torch.cat(pool_parent)[front]
-        par_slot = torch.where(par >= 0, fw_slot[par.clamp_min(0)], -1)
-        grown = torch.zeros(n_fw + width, n_fw + width, dtype=torch.bool, device=dev)
-        grown[:n_fw, :n_fw] = fw_anc
-        if n_fw:
-            grown[n_fw:, :n_fw] = fw_anc[par_slot.clamp_min(0)] & (par_slot >= 0)[:, None]
-        grown[n_fw:, n_fw:] = torch.eye(width, dtype=torch.bool, device=dev)
-        fw_anc = grown
-        fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
-        n_fw += width
-        logits = level(d, torch.cat(pool_tok)[front], fw_anc[n_fw - width :])
-        probs = logits_to_probs(logits, sampling)  # [W, V]
-        vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
-        lq = vals.clamp_min(1e-30).log()
-        pool_tok.append(ids.reshape(-1))
-        pool_logq.append(lq.reshape(-1))
-        pool_score.append((cat_score[front][:, None] + lq).reshape(-1))
-        pool_parent.append(front[:, None].expand(width, k).reshape(-1))
-        pool_depth.append(torch.full((width * k,), d + 1, dtype=torch.long, device=dev))
-        level_start, level_len = size, width * k
-        size += width * k
-    score = torch.cat(pool_score)
-    tok = torch.cat(pool_tok)
-    logq = torch.cat(pool_logq)
-    parent = torch.cat(pool_parent)
-    dep = torch.cat(pool_depth)
-    budget = min(shape.budget, size)
-    # Best `budget` by score; ties go to the shallower node so parents rank before children.
-    by_depth = torch.sort(dep, stable=True).indices
-    by_score = by_depth[torch.sort(score[by_depth], descending=True, stable=True).indices]
-    chosen = by_score[:budget]
-    bfs = chosen[torch.sort(dep[chosen] * size + chosen).indices]  # BFS order
-    new_index = torch.full((size,), -1, dtype=torch.long, device=dev)
-    new_index[bfs] = torch.arange(budget, device=dev)
-    par = parent[bfs]
-    new_par = torch.where(par >= 0, new_index[par.clamp_min(0)], -1)
-    return tok[bfs], new_par, dep[bfs], logq[bfs]

@@ -33,134 +33,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from specsplit.errors import ConfigError
+from specsplit.config import SpecPVConfig
 from specsplit.runtime.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SpecPVConfig:
-    """SpecPV partial verification settings (target side; opt-in, lossy).
-
-    Attributes:
-        enabled: turn partial verification on (off: the engine behaves exactly as without it).
-        block_size: tokens per retrieval block.
-        n_sink_blocks: leading blocks always kept.
-        n_retrieval_blocks: blocks retrieved per layer and KV head.
-        n_window_blocks: most recent blocks always kept.
-        n_spec_tokens_buf: speculative buffer slots: ``pending + tree`` of a round plus the tokens
-            accepted since the last full verification.
-        partial_threshold: contexts shorter than this many tokens are always verified in full.
-        full_refresh_interval: partial steps between two full verifications.
-        retrieval_reduce: ``"mean"`` or ``"max"``, how block scores are reduced over the tree's
-            queries and over the query heads of a GQA group.
-        retrieval_refresh_interval: re-choose the retrieved blocks every this many partial steps
-            from the block summaries, scored with the post-RoPE queries of the step's committed
-            tokens (pending + accepted path); no full forward, the window and buffer stay. ``0``
-            (default): the retrieval changes only at full verifications.
-        retrieval_query_window: with ``retrieval_refresh_interval``, score each re-selection with
-            the queries of the last this many committed tokens since the view was built (the
-            step's own rows and earlier partial steps' rows), not only the step's own ``pending +
-            accepted`` rows. ``0`` (default): the step's own rows only. A few rows of the last
-            step are a noisy proxy for what the next tokens attend to; a longer window averages it.
-        rectify_margin: greedy only. When a partial step's logits decide a committed token (an
-            accepted one or the round's next token) by a top-1 over top-2 margin below this many
-            logits, the step is discarded and the round is verified in full (a *rectification*):
-            the partial view perturbs logits slightly, which flips exactly such near-ties, and one
-            flipped token makes the rest of the output differ. ``0.0`` (default): off. Costs one
-            extra full forward per rectified round.
-    """
-
-    enabled: bool = False
-    block_size: int = 16
-    n_sink_blocks: int = 2
-    n_retrieval_blocks: int = 256
-    n_window_blocks: int = 8
-    n_spec_tokens_buf: int = 128
-    partial_threshold: int = 4096
-    full_refresh_interval: int = 32
-    retrieval_reduce: Literal["mean", "max"] = "mean"
-    retrieval_refresh_interval: int = 0
-    retrieval_query_window: int = 0
-    rectify_margin: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, low in (
-            ("block_size", 1),
-            ("n_sink_blocks", 0),
-            ("n_retrieval_blocks", 0),
-            ("n_window_blocks", 0),
-            ("n_spec_tokens_buf", 2),
-            ("partial_threshold", 1),
-            ("full_refresh_interval", 1),
-            ("retrieval_refresh_interval", 0),
-            ("retrieval_query_window", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"specpv.{name} must be an integer >= {low}, got {value!r}")
-        m = self.rectify_margin
-        if isinstance(m, bool) or not isinstance(m, int | float) or not 0.0 <= m < float("inf"):
-            raise ConfigError(f"specpv.rectify_margin must be a finite number >= 0, got {m!r}")
-        if self.retrieval_reduce not in ("mean", "max"):
-            raise ConfigError(
-                f"specpv.retrieval_reduce must be 'mean' or 'max', got {self.retrieval_reduce!r}"
-            )
-
-    @property
-    def view_tokens(self) -> int:
-        """Most slots the sink + retrieval + window part can take (the window may start mid-block)."""
-        return (self.n_sink_blocks + self.n_retrieval_blocks + self.n_window_blocks + 1) * self.block_size
-
-    @property
-    def budget(self) -> int:
-        """Slots of the partial view per layer: view part plus speculative buffer."""
-        return self.view_tokens + self.n_spec_tokens_buf
-
-    @staticmethod
-    def min_spec_tokens_buf(max_nodes: int, max_depth: int) -> int:
-        """Smallest buffer that holds one round's ``pending + tree`` on top of the last round's
-        accepted tokens (its pending token plus up to ``max_depth`` accepted ones)."""
-        return (1 + max_depth) + (1 + max_nodes)
-
-    def check_tree(self, max_nodes: int, max_depth: int) -> None:
-        """Raise :class:`ConfigError` when the speculative buffer cannot serve trees this large.
-
-        Args:
-            max_nodes: the tree budget (largest number of drafted nodes per round).
-            max_depth: the deepest drafted path.
-        """
-        need = self.min_spec_tokens_buf(max_nodes, max_depth)
-        if self.enabled and self.n_spec_tokens_buf < need:
-            raise ConfigError(
-                f"specpv.n_spec_tokens_buf={self.n_spec_tokens_buf} cannot hold a tree of {max_nodes} nodes "
-                f"and depth {max_depth}: a partial round needs the tree plus its pending token plus the "
-                f"{max_depth + 1} tokens the previous round may commit, i.e. >= {need}; raise "
-                "n_spec_tokens_buf or shrink the tree"
-            )
-
-    @classmethod
-    def from_any(cls, value: SpecPVConfig | dict[str, Any] | None) -> SpecPVConfig:
-        """Accept a config, a dict of its fields (config files, environment JSON) or ``None``."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            known = set(cls.__dataclass_fields__)
-            bad = set(value) - known
-            if bad:
-                raise ConfigError(f"unknown keys in target.specpv: {sorted(bad)}; known: {sorted(known)}")
-            return cls(**value)
-        raise ConfigError(f"target.specpv must be a SpecPVConfig or a dict, got {type(value).__name__}")
-
-
-# ---------------------------------------------------------------------- queries (AttentionInterface)
 @dataclass
 class QueryRecorder:
     """Collects the trailing ``rows`` post-RoPE query rows of each layer during one forward.

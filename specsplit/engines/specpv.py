@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from specsplit.config import SpecPVConfig
 from specsplit.core.tree import TokenTree
 from specsplit.core.tree_attention import build_verify_attention
-from specsplit.engines.partial_kv import PartialSession, QueryRecorder, SpecPVConfig
+from specsplit.engines.partial_kv import PartialSession, QueryRecorder
 from specsplit.runtime.attention import RECORDER_KWARG
 from specsplit.runtime.attention import install as install_attention
 from specsplit.runtime.kv_cache import StaticKVCache
@@ -285,7 +286,7 @@ class PartialVerifier:
         dt = time.perf_counter() - step.t0
         if step.partial:
             assert pvs.view is not None
-            _keep_path(pvs.view, nodes, step.base)
+            pvs.view.keep_path(nodes, step.base)
             pvs.backlog.extend(step.fed + tokens)
             pvs.steps_since_refresh += 1
             with self._lock:
@@ -295,7 +296,7 @@ class PartialVerifier:
                 self._reselect(state.cache, pvs, step, nodes)
             return state.cache.seq_len + len(pvs.backlog)
         cache: StaticKVCache = state.cache
-        _keep_path(cache, nodes, step.base)
+        cache.keep_path(nodes, step.base)
         pvs.backlog = []
         with self._lock:
             s = self.stats
@@ -351,12 +352,3 @@ class PartialVerifier:
         with self._lock:
             self.stats.reselections += int(done)
             self.stats.reselect_s += time.perf_counter() - t
-
-
-def _keep_path(cache: StaticKVCache, nodes: list[int], base: int) -> None:
-    """Keep the accepted tree positions right after ``base`` (no copy for a chain prefix)."""
-    m = len(nodes)
-    if nodes != list(range(m)):
-        cache.compact(torch.tensor(nodes, dtype=torch.long) + base, base)
-    else:
-        cache.rollback(base + m)

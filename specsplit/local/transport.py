@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from specsplit.engines.draft import DraftEngine
 from specsplit.engines.target import TargetEngine
-from specsplit.transport import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo
+from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo
 
 
 class LocalTransport:

@@ -1,7 +1,9 @@
-"""The round loop (draft, verify, commit, stop) over any Transport."""
+"""The round loop (draft, verify, commit, stop) over any Transport, and the overlapped pipeline."""
 
 from __future__ import annotations
 
-from specsplit.pipeline.loop import DecodeParams, OverlapPolicies, OverlapPolicy, decode, decode_rounds
+from specsplit.pipeline.loop import decode, decode_rounds
+from specsplit.pipeline.overlap import OverlapPolicies, OverlapPolicy
+from specsplit.pipeline.params import DecodeParams
 
 __all__ = ["DecodeParams", "OverlapPolicies", "OverlapPolicy", "decode", "decode_rounds"]

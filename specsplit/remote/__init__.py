@@ -22,7 +22,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from specsplit.remote.client import GrpcTransport
+from specsplit.remote.protocol import PROTOCOL_VERSION
 from specsplit.remote.server import WorkerServer, serve_draft, serve_target
-from specsplit.runtime.runner import PROTOCOL_VERSION
 
 __all__ = ["PROTOCOL_VERSION", "GrpcTransport", "WorkerServer", "serve_draft", "serve_target"]

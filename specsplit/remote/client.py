@@ -70,11 +70,7 @@ from specsplit.errors import (
     SpecSplitError,
     TransportError,
 )
-from specsplit.remote import convert
-from specsplit.remote._generated import spec_decoding_pb2 as pb
-from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
-from specsplit.runtime.runner import PROTOCOL_VERSION
-from specsplit.transport import (
+from specsplit.messages import (
     DraftRequest,
     DraftResult,
     GenerateRequest,
@@ -83,6 +79,10 @@ from specsplit.transport import (
     VerifyResult,
     WorkerInfo,
 )
+from specsplit.remote import convert
+from specsplit.remote._generated import spec_decoding_pb2 as pb
+from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+from specsplit.remote.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class GrpcTransport:
             timeout_s=config.timeout_s,
             auth_token=config.auth_token,
             tls_ca_file=config.tls_ca_file,
-            streams=config.grpc_streams,
+            streams=config.tuning.grpc_streams,
         )
 
     # ------------------------------------------------------------------ Transport protocol

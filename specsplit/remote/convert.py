@@ -21,22 +21,24 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from specsplit.config import SamplingParams, TreeConfig, TreeShape
+from specsplit.config import TreeConfig, TreeShape
+from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
 from specsplit.errors import ConfigError, InvalidRequest
-from specsplit.remote._generated import spec_decoding_pb2 as pb
-from specsplit.telemetry import RoundStats
-from specsplit.transport import (
+from specsplit.messages import (
     DraftRequest,
     DraftResult,
     GenerateRequest,
     GenerateUpdate,
-    TreeSlotRef,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
     WorkerStats,
 )
+from specsplit.remote._generated import spec_decoding_pb2 as pb
+from specsplit.remote.protocol import PROTOCOL_VERSION
+from specsplit.remote.tree_slots import SlotDraftRequest, SlotDraftResult, TreeSlotRef
+from specsplit.telemetry import RoundStats
 
 _SHAPE_TO_PB: dict[TreeShape, pb.TreeShape] = {
     "chain": pb.TREE_SHAPE_CHAIN,
@@ -139,7 +141,7 @@ def worker_info_to_proto(i: WorkerInfo) -> pb.PingResponse:
         vocab_size=i.vocab_size,
         dtype=i.dtype,
         device=i.device,
-        protocol_version=i.protocol_version,
+        protocol_version=i.protocol_version or PROTOCOL_VERSION,  # an engine's own info leaves it empty
         active_sessions=i.active_sessions,
     )
 
@@ -257,14 +259,18 @@ def draft_request_to_proto(r: DraftRequest) -> pb.DraftRequest:
         sampling=sampling_to_proto(r.sampling),
         capacity_hint=r.capacity_hint,
         speculate=r.speculate,
-        tree_channel=r.tree_channel,
-        tree_slot=r.tree_slot,
+        tree_channel=getattr(r, "tree_channel", ""),
+        tree_slot=getattr(r, "tree_slot", 0),
         **kwargs,
     )
 
 
 def draft_request_from_proto(m: pb.DraftRequest) -> DraftRequest:
-    return DraftRequest(
+    """A :class:`SlotDraftRequest` when the request names a tree slot, else a plain one."""
+    fields: dict[str, Any] = {}
+    if m.tree_channel:
+        fields = {"tree_channel": m.tree_channel, "tree_slot": m.tree_slot}
+    return (SlotDraftRequest if fields else DraftRequest)(
         session_id=m.session_id,
         new_token_ids=list(m.new_token_ids),
         prefix_length=m.prefix_length,
@@ -274,8 +280,7 @@ def draft_request_from_proto(m: pb.DraftRequest) -> DraftRequest:
         max_depth=m.max_depth if m.HasField("max_depth") else None,
         capacity_hint=m.capacity_hint,
         speculate=m.speculate,
-        tree_channel=m.tree_channel,
-        tree_slot=m.tree_slot,
+        **fields,
     )
 
 
@@ -287,8 +292,9 @@ def draft_result_to_proto(r: DraftResult) -> pb.DraftResponse:
         telemetry=stats_to_proto(r.stats),
         assumed_token_ids=r.assumed_token_ids,
     )
-    if r.tree_in_slot is not None:
-        m.tree_in_slot.CopyFrom(pb.TreeSlotRef(**asdict(r.tree_in_slot)))
+    in_slot = getattr(r, "tree_in_slot", None)
+    if in_slot is not None:
+        m.tree_in_slot.CopyFrom(pb.TreeSlotRef(**asdict(in_slot)))
     else:
         m.tree.CopyFrom(tree_to_proto(r.tree))
     return m
@@ -298,14 +304,13 @@ def draft_result_from_proto(m: pb.DraftResponse) -> DraftResult:
     in_slot = m.HasField("tree_in_slot")
     if in_slot and len(m.tree.token_ids):
         raise InvalidRequest("a draft response carries both a tree and a tree slot")
-    return DraftResult(
-        tree=TokenTree.empty() if in_slot else tree_from_proto(m.tree),
-        prefix_length=m.prefix_length,
-        stats=stats_from_proto(m.telemetry),
-        cache_hit=m.cache_hit,
-        assumed_token_ids=list(m.assumed_token_ids),
-        tree_in_slot=_slot_ref(m.tree_in_slot) if in_slot else None,
+    tree = TokenTree.empty() if in_slot else tree_from_proto(m.tree)
+    res = DraftResult(
+        tree, m.prefix_length, stats_from_proto(m.telemetry), m.cache_hit, list(m.assumed_token_ids)
     )
+    if in_slot:
+        return SlotDraftResult(**vars(res), tree_in_slot=_slot_ref(m.tree_in_slot))
+    return res
 
 
 def _slot_ref(m: pb.TreeSlotRef) -> TreeSlotRef:

@@ -40,15 +40,15 @@ from specsplit.errors import (
     SessionNotFound,
     SpecSplitError,
 )
+from specsplit.messages import GenerateUpdate
 from specsplit.pipeline import OverlapPolicies, decode_rounds
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
 from specsplit.remote.client import STREAM_FULL_KEY, GrpcTransport
 from specsplit.remote.target_loop import TargetLoopTransport, decode_params
-from specsplit.remote.tree_slots import TreeSlotExporter
+from specsplit.remote.tree_slots import SlotDraftRequest, SlotDraftResult, TreeSlotExporter
 from specsplit.telemetry import SpecStats
-from specsplit.transport import GenerateUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +251,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             req = convert.draft_request_from_proto(request)
             req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
             res = self._h.engine.generate(req)
-            if req.tree_channel and not req.speculate:
-                res.tree_in_slot = self._slots.place(req.tree_channel, req.tree_slot, res.tree)
+            if isinstance(req, SlotDraftRequest) and not req.speculate:
+                ref = self._slots.place(req.tree_channel, req.tree_slot, res.tree)
+                if ref is not None:
+                    res = SlotDraftResult(**vars(res), tree_in_slot=ref)
             resp = convert.draft_result_to_proto(res)
             resp.telemetry.server_time_s = time.perf_counter() - t0
             return resp

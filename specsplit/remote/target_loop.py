@@ -23,16 +23,22 @@ from typing import Any
 import torch
 
 from specsplit.errors import InvalidRequest, ResourceExhausted, SpecSplitError, TransportError
-from specsplit.pipeline import DecodeParams, OverlapPolicies
-from specsplit.remote.client import GrpcTransport
-from specsplit.remote.tree_slots import TreeSlotImporter, host_id, ipc_enabled
-from specsplit.transport import (
+from specsplit.messages import (
     DraftRequest,
     DraftResult,
     GenerateRequest,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
+)
+from specsplit.pipeline import DecodeParams, OverlapPolicies
+from specsplit.remote.client import GrpcTransport
+from specsplit.remote.tree_slots import (
+    SlotDraftRequest,
+    SlotDraftResult,
+    TreeSlotImporter,
+    host_id,
+    ipc_enabled,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,17 +96,21 @@ class TargetLoopTransport:
     def draft(self, request: DraftRequest) -> DraftResult:
         if self._draft is None:
             raise TransportError("this target worker has no draft worker (serve it with --draft-address)")
-        slots = None
+        slots, channel = None, ""
         if self._want_slots and not request.speculate and not request.sampling.do_sample:
-            slots, request.tree_channel, request.tree_slot = self._slot_for(request.session_id)
+            slots, channel, slot = self._slot_for(request.session_id)
+            if channel:
+                request = SlotDraftRequest(**vars(request), tree_channel=channel, tree_slot=slot)
         res = self._draft.draft(request)
-        if res.tree_in_slot is not None:
+        in_slot = res.tree_in_slot if isinstance(res, SlotDraftResult) else None
+        if in_slot is not None:
             if slots is None:
                 raise TransportError("the draft worker answered with a tree slot nobody asked for")
             cfg = self.engine.config
-            res.tree = slots.read(res.tree_in_slot, self.engine.model_vocab_size, cfg.max_tree_nodes,
-                                  cfg.max_tree_depth)  # fmt: skip
-        elif slots is not None and request.tree_channel:
+            res.tree = slots.read(
+                in_slot, self.engine.model_vocab_size, cfg.max_tree_nodes, cfg.max_tree_depth
+            )
+        elif slots is not None and channel:
             self._drop_slots(slots, "the draft worker sent the tree in its reply (restarted?)")
         return res
 

@@ -51,10 +51,41 @@ import torch
 from specsplit.core.tree import TokenTree
 from specsplit.core.tree_attention import ancestor_matrix
 from specsplit.errors import TransportError
+from specsplit.messages import DraftRequest, DraftResult
 from specsplit.remote._generated import spec_decoding_pb2 as pb
-from specsplit.transport import TreeSlotRef
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TreeSlotRef:
+    """Where a draft worker left a tree in GPU memory a co-located target worker maps
+    (:mod:`specsplit.remote.tree_slots`), with the host-side bounds verification needs."""
+
+    channel_id: str
+    slot: int
+    num_nodes: int
+    max_branch: int
+    depth_bound: int
+
+
+@dataclass
+class SlotDraftRequest(DraftRequest):
+    """A :class:`~specsplit.messages.DraftRequest` that asks a draft worker to leave the tree in
+    a tree slot of ``tree_channel`` (between co-located workers only; engines never see these fields).
+    """
+
+    tree_channel: str = ""
+    tree_slot: int = 0
+
+
+@dataclass
+class SlotDraftResult(DraftResult):
+    """A :class:`~specsplit.messages.DraftResult` whose tree was left in a tree slot: ``tree`` is
+    empty and the target worker that asked reads it from ``tree_in_slot``."""
+
+    tree_in_slot: TreeSlotRef | None = None
+
 
 ROWS = 3  # token_ids, parents, depths
 MAX_SLOTS = 16  # per channel

@@ -247,6 +247,15 @@ class StaticKVCache(Cache):
                 layer.values[:, :, start : start + m] = v
             layer.length = start + m
 
+    def keep_path(self, nodes: list[int], base: int) -> None:
+        """Keep the accepted tree nodes ``nodes`` (indices of tree slots after ``base``, root to leaf)
+        right after ``base``: a copy of those slots only, none for a chain's accepted prefix."""
+        m = len(nodes)
+        if nodes != list(range(m)):
+            self.compact(torch.tensor(nodes, dtype=torch.long) + base, base)
+        else:
+            self.rollback(base + m)
+
     @property
     def single_buffer(self) -> bool:
         """Every layer is a view of one buffer (:meth:`allocate`): :meth:`move_slots` works."""

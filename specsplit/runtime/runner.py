@@ -1,4 +1,4 @@
-"""What both engines share: model loading/placement, the cached forward, session plumbing."""
+"""The model runner: loading and placement of one causal LM, and its cached forward with explicit masks."""
 
 from __future__ import annotations
 
@@ -9,16 +9,13 @@ from typing import Any
 
 import torch
 
-from specsplit.core.pinned import pin
-from specsplit.engines.sessions import SessionStore
-from specsplit.errors import CacheDesyncError, InvalidRequest, ModelLoadError, ResourceExhausted
+from specsplit.core.pinned import to_device
+from specsplit.errors import InvalidRequest, ModelLoadError
 from specsplit.runtime.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.runtime.attention import install as install_attention
 from specsplit.runtime.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = "specsplit.v1"
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None) -> torch.dtype:
@@ -31,16 +28,8 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None) ->
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
-def h2d(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Copy to ``device`` without a hidden host sync.
-
-    A copy from pageable host memory waits for the device queue; staging through pinned memory
-    lets the host keep launching work while the GPU is busy.
-    """
-    dev = torch.device(device)
-    if dev.type != "cuda" or t.device.type != "cpu":
-        return t.to(dev, non_blocking=True)
-    return pin(t).to(dev, non_blocking=True)
+# ``h2d`` is the runtime's name for the pinned, non-blocking host-to-device copy.
+h2d = to_device
 
 
 def default_device() -> torch.device:
@@ -190,29 +179,6 @@ class ModelRunner:
                 raise InvalidRequest(
                     f"{what}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})"
                 )
-
-
-def check_capacity(total: int, max_context: int) -> None:
-    if total > max_context:
-        raise ResourceExhausted(
-            f"session would hold {total} tokens; the engine's max_context is {max_context}"
-        )
-
-
-def desync_error(role: str, session_id: str, held: int, expected: int) -> CacheDesyncError:
-    """The error both engines raise when the caller's idea of a session's length is wrong."""
-    return CacheDesyncError(
-        f"{role} session {session_id!r} holds {held} tokens, caller expected {expected}; "
-        "resend the full context",
-        expected=expected,
-        actual=held,
-    )
-
-
-def make_store(max_sessions: int, ttl_s: float, name: str, on_evict: Any = None) -> SessionStore[Any]:
-    store: SessionStore[Any] = SessionStore(max_sessions, ttl_s, on_evict=on_evict, name=name)
-    store.start_purger()
-    return store
 
 
 def sync_device(device: torch.device) -> None:

@@ -1,0 +1,138 @@
+"""Flags that several commands share, spelled the same way on each."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """How the engines run their models: the flags most users set (``generate``, ``serve``, ``bench``)."""
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay fixed-shape steps (tree levels, verification, padded prompts) from CUDA graphs",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --cuda-graphs: fuse those steps with torch.compile first (the first rounds compile)",
+    )
+    p.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
+    )
+
+
+def add_tuning_flags(p: argparse.ArgumentParser, pipeline: bool = False) -> None:
+    """A/B switches, in their own help group: the defaults are right for most users.
+
+    Args:
+        p: the command's parser.
+        pipeline: also the round loop's switches (commands that run the loop).
+    """
+    g = p.add_argument_group("tuning", "switches that exist to compare implementations; defaults are right")
+    g.add_argument(
+        "--graph-rounds",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --cuda-graphs: a whole round in one graph (the draft's tree growth, the target's greedy "
+        "verification); default on",
+    )
+    g.add_argument(
+        "--prefill-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --cuda-graphs: pad a prompt's forward to a bucket replayed from one graph per bucket; "
+        "default on",
+    )
+    g.add_argument(
+        "--fold-gqa",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fold a GQA model's head groups into the query rows in tree forwards; default on",
+    )
+    g.add_argument(
+        "--attention-kernel",
+        choices=("auto", "math", "sdpa"),
+        default=None,
+        help="tree forwards' attention: math = folded matmul kernel at every prefix length; sdpa = "
+        "transformers' SDPA below 2,048 cached tokens; auto (default) = math with --cuda-graphs, else sdpa",
+    )
+    g.add_argument("--graph-capacity", type=int, default=None, help="slots of the CUDA-graph workspace")
+    g.add_argument("--q-top-k", type=int, default=None, help="support size of a sampling draft's q")
+    if pipeline:
+        g.add_argument(
+            "--overlap-policy",
+            choices=("adaptive", "always"),
+            default=None,
+            help="with --overlap: adaptive (default) keeps speculation only where it is faster; always",
+        )
+        g.add_argument(
+            "--grpc-streams",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="gRPC: each round's calls over long-lived streams (default on); --no-grpc-streams: unary",
+        )
+        g.add_argument(
+            "--sync-timing",
+            action="store_true",
+            help="synchronise the GPU around each phase so telemetry's draft/verify split is exact (slower)",
+        )
+
+
+_TUNING = ("graph_rounds", "prefill_graphs", "fold_gqa", "attention_kernel", "graph_capacity", "q_top_k")
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that need a path the command does not take."""
+    from specsplit.errors import ConfigError
+
+    if args.compile and not args.cuda_graphs:
+        raise ConfigError("--compile fuses the CUDA-graph steps: add --cuda-graphs")
+    if args.prefill_graphs and not args.cuda_graphs:
+        raise ConfigError("--prefill-graphs pads prompts for the CUDA-graph path: add --cuda-graphs")
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine-config fields the flags set (absent where a flag was not given), ``tuning`` as a dict."""
+    out: dict[str, Any] = {}
+    if args.dtype:
+        out["dtype"] = args.dtype
+    for name in ("cuda_graphs", "compile", "fuse_projections"):
+        if getattr(args, name):
+            out[name] = True
+    tuning = {name: getattr(args, name) for name in _TUNING if getattr(args, name, None) is not None}
+    if tuning:
+        out["tuning"] = tuning
+    return out
+
+
+def apply_engine_overrides(section: Any, overrides: dict[str, Any]) -> None:
+    """Set :func:`engine_overrides` on a ``DraftConfig`` / ``TargetConfig`` in place."""
+    import dataclasses
+
+    for name, value in overrides.items():
+        if name == "tuning":
+            section.tuning = dataclasses.replace(section.tuning, **value)
+        else:
+            setattr(section, name, value)
+
+
+def apply_pipeline_overrides(cfg: Any, args: argparse.Namespace) -> None:
+    """Set the round loop's tuning flags on a ``SpecSplitConfig`` in place."""
+    import dataclasses
+
+    given = {
+        name: getattr(args, name)
+        for name in ("overlap_policy", "grpc_streams")
+        if getattr(args, name) is not None
+    }
+    if args.sync_timing:
+        given["sync_timing"] = True
+    if given:
+        cfg.tuning = dataclasses.replace(cfg.tuning, **given)

@@ -1,0 +1,107 @@
+"""``specsplit generate``: generate text from a prompt with speculative decoding (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from specsplit.cli.common import (
+    add_engine_flags,
+    add_tuning_flags,
+    apply_engine_overrides,
+    apply_pipeline_overrides,
+    check_engine_flags,
+    engine_overrides,
+)
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    """Register ``generate`` on the ``specsplit`` command line."""
+    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("prompt", help="the prompt (chat template applied unless --raw)")
+    p.add_argument("--target", default=None, help="target model: alias, local dir or HF id")
+    p.add_argument("--draft", default=None, help="draft model: alias, local dir or HF id")
+    p.add_argument("--config", default=None, help="JSON/TOML SpecSplitConfig file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--tree", choices=["chain", "static", "dynamic"], default=None, help="shape of the draft tree"
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length K")
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="device for both models (e.g. cuda:0, cpu)")
+    p.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
+    p.add_argument("--target-device", default=None, help="the target's device (default: --device)")
+    add_engine_flags(p)
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="draft the next round while this one verifies (pays with the models on two GPUs)",
+    )
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end only")
+    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    add_tuning_flags(p, pipeline=True)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from specsplit.config import SpecSplitConfig
+    from specsplit.generator import SpecSplitGenerator
+    from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
+    if args.tree:
+        cfg.tree.shape = args.tree
+    if args.num_draft_tokens is not None:
+        cfg.tree.num_draft_tokens = args.num_draft_tokens
+    check_engine_flags(args)
+    overrides = engine_overrides(args)
+    for attr in ("draft", "target"):
+        sec = getattr(cfg, attr)
+        dev = getattr(args, f"{attr}_device") or args.device
+        if dev:
+            sec.device = dev
+        apply_engine_overrides(sec, overrides)
+    apply_pipeline_overrides(cfg, args)
+    if args.overlap:
+        cfg.overlap = True
+    target = args.target or cfg.target.model or DEFAULT_TARGET
+    draft = args.draft or cfg.draft.model or (DEFAULT_DRAFT if cfg.transport == "local" else None)
+    gen = SpecSplitGenerator.from_pretrained(target=target, draft=draft, config=cfg)
+    streamer = None
+    if not args.no_stream and not args.json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
+    for k in ("temperature", "top_p", "top_k"):
+        if getattr(args, k) is not None:
+            kwargs[k] = getattr(args, k)
+    if args.seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(args.seed)
+    result: Any = gen.generate_text(
+        args.prompt, chat=not args.raw, streamer=streamer, return_stats=True, **kwargs
+    )
+    text, stats = result
+    if args.json:
+        print(json.dumps({"text": text, "stats": stats.summary()}, indent=2))
+    else:
+        if streamer is None:
+            print(text)
+        s = stats.summary()
+        print(
+            f"\n[specsplit] {s['new_tokens']} tokens in {s['wall_time_s']:.2f}s "
+            f"({s['tokens_per_s']:.1f} tok/s), {s['rounds']} rounds, tau={s['tau']:.2f}, "
+            f"acceptance={s['acceptance_rate']:.2f}, tree={cfg.tree.shape}",
+            file=sys.stderr,
+        )
+    gen.close()
+    return 0

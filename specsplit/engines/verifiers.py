@@ -1,0 +1,272 @@
+"""How a TargetEngine runs a round: the verifier strategies.
+
+A verifier takes a session, the pending tokens and the tree, runs the round's ONE target forward,
+decides what is accepted (:func:`decide`: greedy or lossless stochastic, the same for every
+strategy) with one host read, and keeps the KV of the accepted path.
+
+- :class:`FullVerifier` (the default): exact, against the session's whole cache. Greedy rounds on
+  the CUDA-graph path replay as ONE graph (mask, forward, acceptance and KV commit;
+  ``TargetConfig.graph_rounds``); other static rounds replay the forward alone from a graph; a
+  prompt's first forward is padded to a bucket (``prefill_graphs``); the rest runs eagerly.
+- :class:`SpecPVVerifier` (opt-in, lossy): SpecPV partial verification for long contexts
+  (:mod:`specsplit.engines.specpv`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from specsplit.config import SpecPVConfig
+from specsplit.core.sampling import SamplingParams, logits_to_probs, make_generator
+from specsplit.core.tree import TokenTree
+from specsplit.core.tree_attention import ancestor_matrix
+from specsplit.core.verification import VerifyOutcome, verify_greedy, verify_stochastic
+from specsplit.engines.specpv import PartialVerifier
+from specsplit.errors import ResourceExhausted
+from specsplit.messages import VerifyResult, WorkerStats
+from specsplit.runtime.graphs import GraphedRound, StaticForward, kv_bucket
+from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.runner import h2d
+
+if TYPE_CHECKING:
+    from specsplit.engines.target import KVCacheState, TargetEngine
+
+
+class Verifier(Protocol):
+    """One round of verification for a session whose lock the caller holds."""
+
+    def verify(
+        self,
+        state: KVCacheState,
+        tree: TokenTree,
+        pending: list[int],
+        sampling: SamplingParams,
+        seed: int | None,
+        stats: WorkerStats,
+    ) -> VerifyResult: ...
+
+
+def decide(
+    logits: torch.Tensor,
+    tree: TokenTree,
+    sampling: SamplingParams,
+    seed: int | None,
+    max_depth: int,
+    max_branch: int,
+) -> VerifyOutcome:
+    """Accept the tree's longest agreeing path: greedy, or recursive rejection sampling.
+
+    Args:
+        logits: `[N + 1, V]` target logits of the context row and every node.
+        tree: the verified tree, on the logits' device.
+        sampling: the target's sampling parameters (greedy when ``do_sample`` is off).
+        seed: seed of the acceptance draws (sampling only).
+        max_depth / max_branch: host-side bounds of the tree.
+    """
+    if sampling.do_sample:
+        gen = make_generator(logits.device, seed)
+        return verify_stochastic(logits_to_probs(logits, sampling), tree, max_depth, max_branch, gen)
+    return verify_greedy(logits, tree, max_depth, max_branch)
+
+
+def _result(
+    tokens: list[int], next_token: int, nodes: list[int], prefix: int, depth: int, n: int
+) -> VerifyResult:
+    return VerifyResult(
+        accepted_token_ids=tokens,
+        next_token_id=next_token,
+        accepted_node_indices=nodes,
+        prefix_length=prefix,
+        num_drafted=depth,
+        num_nodes=n,
+    )
+
+
+def one_pending_layout(
+    parents: torch.Tensor, depths: torch.Tensor, ctx: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and the `[1 + N, 1 + N]` visibility block of one pending token followed by a tree
+    (the pending token at ``ctx``, a node at ``ctx`` + its depth, each row seeing the pending token,
+    itself and its ancestors); device ops only, ``ctx`` a host int or a device scalar."""
+    n = parents.shape[0]
+    block = torch.zeros(1 + n, 1 + n, dtype=torch.bool, device=parents.device)
+    block[:, 0] = True
+    if n:
+        block[1:, 1:] = ancestor_matrix(parents)
+    pos = torch.cat([depths.new_zeros(1), depths]) + ctx
+    return pos, block
+
+
+class FullVerifier:
+    """Exact verification against the session's whole KV cache.
+
+    Args:
+        engine: the TargetEngine whose runner, workspace and round graphs it uses.
+    """
+
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+
+    def verify(
+        self,
+        state: KVCacheState,
+        tree: TokenTree,
+        pending: list[int],
+        sampling: SamplingParams,
+        seed: int | None,
+        stats: WorkerStats,
+    ) -> VerifyResult:
+        eng = self.engine
+        cache = state.cache
+        length = cache.seq_len
+        n, p = tree.num_nodes, len(pending)
+        max_branch, max_depth = tree.bounds()
+        cache.ensure_capacity(length + p + n)
+        if (
+            state.static
+            and p == 1
+            and eng.config.tuning.graph_rounds
+            and not sampling.do_sample
+            and cache.single_buffer
+        ):
+            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats)
+        tree = tree.to(eng.device)
+        ids = torch.cat([h2d(torch.tensor(pending, dtype=torch.long), eng.device), tree.token_ids])  # [P + N]
+        t = time.perf_counter()
+        try:
+            if state.static and p == 1:  # steady state: fixed shape, replayed from a CUDA graph
+                pos, block = one_pending_layout(tree.parents, tree.depths, length)
+                logits = eng._workspace.static.run(ids, pos, length, block)  # [N + 1, V]
+            else:  # a prompt (padded to a graph-replayed bucket on the static path) or eager
+                logits = eng._prompt_forward(state.static, cache, ids, p, tree.parents)
+        except Exception:
+            cache.rollback(length)
+            raise
+        tree = tree.to(logits.device)
+        outcome = decide(logits, tree, sampling, seed, max_depth, max_branch)
+        nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += p + n
+        stats.forwards += 1
+        cache.keep_path(nodes, length + p)
+        return _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
+
+    # ------------------------------------------------------------------ one-graph greedy round
+    def _one_graph(
+        self,
+        cache: StaticKVCache,
+        tree: TokenTree,
+        pending: list[int],
+        max_branch: int,
+        max_depth: int,
+        stats: WorkerStats,
+    ) -> VerifyResult:
+        """A greedy round (mask, forward, acceptance, KV commit) replayed as one graph
+        (``TargetConfig.graph_rounds``); the same tensor functions as the eager path."""
+        eng = self.engine
+        static = eng._workspace.static
+        length, n = cache.seq_len, tree.num_nodes
+        end = length + 1 + n
+        if end > static.capacity:
+            raise ResourceExhausted(
+                f"a verify round needs {end} slots; the workspace holds {static.capacity}"
+            )
+        key = (n, max_depth, max_branch, kv_bucket(end, static.capacity))
+        t = time.perf_counter()
+        rnd = eng._round_graph(
+            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, key[3])
+        )
+        forwards = eng.runner.forward_count
+        path, count, nxt = rnd(pending[0], tree.token_ids, tree.parents, tree.depths, length)
+        if rnd.graph is not None:  # a replay (after a capture that ran the body 3 times): one forward
+            eng.runner.forward_count = forwards + 1
+        nodes, tokens, next_token = VerifyOutcome(path, count, nxt).to_host(rnd.inputs[1])  # the one sync
+        m = len(nodes)
+        cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += 1 + n
+        stats.forwards += 1
+        return _result(tokens, next_token, nodes, length + 1 + m, max_depth, n)
+
+    def _build_round(
+        self,
+        static: StaticForward,
+        cache: StaticKVCache,
+        n: int,
+        max_depth: int,
+        max_branch: int,
+        bucket: int,
+    ) -> GraphedRound:
+        buf = static.new_buffers(1 + n, bucket)
+        dev = self.engine.device
+        steps = torch.arange(max_depth, device=dev)
+
+        def body(
+            pend: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, ctx: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            pos, block = one_pending_layout(par, dep, ctx)
+            logits = static.forward_at(buf, torch.cat([pend, tok]), pos, ctx, block)
+            tree = TokenTree(tok, par, dep, torch.zeros(n, device=dev))
+            outcome = verify_greedy(logits, tree, max_depth, max_branch)
+            if max_depth:  # the accepted nodes' slots follow the pending token's (padding: beyond)
+                cache.move_slots(ctx + 1 + outcome.path.clamp_min(0), ctx + 1 + steps)
+            return outcome.path, outcome.num_accepted, outcome.next_token
+
+        empty = torch.zeros(n, dtype=torch.long, device=dev)
+        ctx = torch.zeros((), dtype=torch.long)
+        return GraphedRound(static, body, [torch.zeros(1, dtype=torch.long), empty, empty, empty, ctx])
+
+
+class SpecPVVerifier:
+    """SpecPV partial verification (lossy, opt-in): each round's forward runs against the full
+    cache or a partial view of it, as :class:`~specsplit.engines.specpv.PartialVerifier` decides.
+
+    Always on the eager path (sessions of an engine with SpecPV never take the static workspace).
+
+    Args:
+        engine: the TargetEngine.
+        config: SpecPV settings (``enabled``).
+    """
+
+    def __init__(self, engine: TargetEngine, config: SpecPVConfig):
+        self.engine = engine
+        self.config = config
+        self.policy = PartialVerifier(config, engine.runner)
+
+    def verify(
+        self,
+        state: KVCacheState,
+        tree: TokenTree,
+        pending: list[int],
+        sampling: SamplingParams,
+        seed: int | None,
+        stats: WorkerStats,
+    ) -> VerifyResult:
+        n = tree.num_nodes
+        max_branch, max_depth = tree.bounds()
+        state.cache.ensure_capacity(state.cache.seq_len + len(pending) + n)
+        tree = tree.to(self.engine.device)
+        t = time.perf_counter()
+        step = self.policy.forward(state, pending, tree)
+        tree = tree.to(step.logits.device)
+        outcome = decide(step.logits, tree, sampling, seed, max_depth, max_branch)
+        margin = self.config.rectify_margin
+        if step.partial and margin > 0 and not sampling.do_sample:
+            # Near-tie guard: the flag rides on the round's one host read.
+            flag = outcome.min_margin_below(step.logits, margin)
+            nodes, tokens, next_token = outcome.to_host(tree.token_ids, extra=flag)
+            if outcome.extra_host[0]:
+                step = self.policy.rectify(state, step, pending, tree)
+                outcome = verify_greedy(step.logits, tree, max_depth, max_branch)
+                nodes, tokens, next_token = outcome.to_host(tree.token_ids)
+        else:
+            nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
+        stats.model_time_s += time.perf_counter() - t
+        stats.tokens_processed += len(step.fed) + n
+        stats.forwards += 1
+        stats.verify_mode = "partial" if step.partial else "full"
+        prefix = self.policy.commit(state, step, nodes, tokens)
+        return _result(tokens, next_token, nodes, prefix, max_depth, n)

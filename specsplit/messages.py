@@ -1,0 +1,207 @@
+"""The messages that cross a transport: requests, results and their telemetry.
+
+Engines produce and consume these dataclasses; a transport only moves them (``LocalTransport``
+in-process, ``GrpcTransport`` as protobuf). Nothing here knows which transport is in use, so
+engines may import this module without importing any transport.
+
+Round protocol (see DESIGN.md):
+
+1. ``draft(DraftRequest)``: the draft session ingests ``new_token_ids`` (the committed tokens it
+   has not seen; ``prefix_length`` says how many it must already hold, 0 = start over with the full
+   context) and grows a :class:`~specsplit.core.tree.TokenTree`.
+2. ``verify(VerifyRequest)``: the target runs ONE forward over ``pending_token_ids + tree``,
+   verifies, keeps the KV of the accepted path and returns the accepted tokens plus one target
+   token (the correction or bonus token), which becomes the next round's pending token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specsplit.config import TreeConfig
+from specsplit.core.sampling import SamplingParams
+from specsplit.core.tree import TokenTree
+from specsplit.telemetry import RoundStats
+
+
+@dataclass
+class WorkerStats:
+    """Telemetry every engine response carries (also over gRPC)."""
+
+    wall_time_s: float = 0.0  # whole request inside the engine
+    model_time_s: float = 0.0  # model forwards only
+    tokens_processed: int = 0  # tokens fed through the model
+    forwards: int = 0  # model forward calls
+    device: str = ""
+    verify_mode: str = ""  # target with SpecPV on: "full" or "partial" ("" otherwise / draft)
+    # Over gRPC: the worker's whole handling of the call, its conversions and the device sync that
+    # serialising the result waits for included (an engine call may return before its GPU work
+    # ends, so wall_time_s alone under-counts it); 0 in-process.
+    server_time_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """Time the call spent on the worker's side (engine, or whole handler over gRPC)."""
+        return max(self.wall_time_s, self.server_time_s)
+
+
+@dataclass
+class DraftRequest:
+    """Ask the draft side for a tree.
+
+    Attributes:
+        session_id: conversation key; the draft keeps a KV cache per session.
+        new_token_ids: committed tokens the draft has not ingested yet.
+        prefix_length: how many tokens the draft session must already hold; 0 means
+            ``new_token_ids`` is the full context (the engine still reuses a matching cached prefix).
+        tree: shape of the tree to grow.
+        sampling: sampling parameters (shared with the target).
+        seed: seed for this round's draft randomness (sampling only).
+        max_depth: cap on the tree depth this round (used near ``max_new_tokens``); ``None`` = shape's own.
+            An engine on its static (CUDA-graph) path grows its usual shape anyway unless the cap
+            is 0, so the end of a generation adds no new graph; the caller cuts the commit.
+        capacity_hint: total tokens the session may reach (sizes the cache once).
+        speculate: overlapped pipeline: instead of ingesting ``new_token_ids`` (which must be
+            empty), extend the session by the main path of the tree it drafted last (first child
+            at every level) plus the draft's own greedy next token, a guess of the target's bonus
+            token, and grow the tree from there. The result's ``assumed_token_ids`` lists those
+            tokens; ``max_depth`` then caps ``assumed + tree depth``. If the guess turns out wrong
+            the caller sends a normal request with the pre-speculation ``prefix_length`` and the
+            engine drops the speculative tail, reusing the part that matches.
+    """
+
+    session_id: str
+    new_token_ids: list[int]
+    prefix_length: int
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    max_depth: int | None = None
+    capacity_hint: int = 0
+    speculate: bool = False
+
+
+@dataclass
+class DraftResult:
+    """A drafted tree and what the draft's cache holds after ingesting the new tokens."""
+
+    tree: TokenTree
+    prefix_length: int
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    cache_hit: bool = False  # the session (or a matching prefix) was reused
+    assumed_token_ids: list[int] = field(default_factory=list)  # speculate: the tokens assumed committed
+
+
+@dataclass
+class VerifyRequest:
+    """Ask the target to verify a tree.
+
+    Attributes:
+        session_id: conversation key; the target keeps a KV cache per session.
+        tree: the draft tree (may be empty: then this is a plain target decode step).
+        pending_token_ids: committed tokens whose target KV does not exist yet (the whole prompt
+            on the first round, then last round's correction/bonus token).
+        expected_prefix_length: tokens the caller believes the target has cached; a mismatch
+            raises ``CacheDesyncError`` (recover by resending the full context with 0).
+        sampling: sampling parameters; ``do_sample=False`` = greedy verification.
+        seed: seed for this round's verification randomness.
+        capacity_hint: total tokens the session may reach (sizes the cache once).
+    """
+
+    session_id: str
+    tree: TokenTree
+    pending_token_ids: list[int]
+    expected_prefix_length: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    capacity_hint: int = 0
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verification round.
+
+    Attributes:
+        accepted_token_ids: drafted tokens the target accepted, root to leaf.
+        next_token_id: the target's own token after them (correction or bonus).
+        accepted_node_indices: tree indices of the accepted nodes.
+        prefix_length: target cache length afterwards (``next_token_id`` is not in it yet).
+        num_drafted: length of the longest drafted path (depth of the tree).
+        num_nodes: nodes in the verified tree.
+    """
+
+    accepted_token_ids: list[int]
+    next_token_id: int
+    accepted_node_indices: list[int]
+    prefix_length: int
+    num_drafted: int
+    num_nodes: int
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    cache_hit: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted tokens over the deepest drafted path (1.0 when nothing was drafted)."""
+        return len(self.accepted_token_ids) / self.num_drafted if self.num_drafted else 1.0
+
+
+# Name from the original design documents.
+VerificationResult = VerifyResult
+
+
+@dataclass
+class GenerateRequest:
+    """A whole generation whose rounds the target worker runs (``SpecSplitConfig.grpc_loop="target"``).
+
+    The worker runs the same round loop as :func:`specsplit.pipeline.decode`, with its local target
+    engine and the draft worker it was started with, and streams :class:`GenerateUpdate` s.
+
+    Attributes:
+        session_id: conversation key on both workers.
+        prompt_token_ids: the prompt.
+        max_new_tokens: tokens to generate at most.
+        sampling: sampling parameters.
+        tree: shape of the tree drafted every round.
+        eos_token_ids: generation stops after the first of these (included).
+        rng_state: sampling only: ``torch.Generator.get_state()`` bytes of the CPU generator the
+            per-round seeds are drawn from (empty: a fresh nondeterministic generator).
+        overlap / overlap_policy: as in :class:`~specsplit.config.SpecSplitConfig`.
+    """
+
+    session_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    eos_token_ids: list[int] = field(default_factory=list)
+    rng_state: bytes = b""
+    overlap: bool = False
+    overlap_policy: str = "adaptive"
+
+
+@dataclass
+class GenerateUpdate:
+    """Rounds a worker-run generation finished since its previous update.
+
+    ``rounds`` pairs each round's committed tokens with its telemetry; the last update of a
+    generation that ran to its end has ``done`` set and carries the totals.
+    """
+
+    rounds: list[tuple[list[int], RoundStats]] = field(default_factory=list)
+    done: bool = False
+    recoveries: int = 0
+    draft_fallback: bool = False
+    wall_time_s: float = 0.0
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker says about itself (``Ping``)."""
+
+    worker_type: str  # "draft" | "target"
+    model_name: str
+    vocab_size: int
+    dtype: str
+    device: str
+    protocol_version: str = ""  # a remote worker's wire protocol ("" in-process)
+    active_sessions: int = 0

@@ -1,0 +1,43 @@
+"""What one generation's round loop needs besides the prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specsplit.config import TreeConfig
+from specsplit.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specsplit.pipeline.overlap import OverlapPolicy
+
+SEED_HIGH = 2**62
+
+
+@dataclass
+class DecodeParams:
+    """What the loop needs besides the prompt."""
+
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: Any = None  # needed for stop strings
+    generator: torch.Generator | None = None  # CPU RNG the per-round seeds are drawn from
+    after_draft: Callable[[], None] | None = None  # e.g. a device sync for exact timing
+    overlap: bool = False  # draft round N+1 (speculatively) while round N verifies
+    overlap_policy: str = "adaptive"  # or "always" (see SpecSplitConfig.overlap_policy)
+    policy: OverlapPolicy | None = None  # kept across calls by the caller; None: a fresh one
+    loop: str = "client"  # "target": the target worker runs the rounds (GrpcTransport.generate_on_target)
+
+
+def round_seeds(params: DecodeParams) -> tuple[int | None, int | None]:
+    """The next round's (draft, verify) seeds, drawn from ``params.generator`` (sampling only)."""
+    if not params.sampling.do_sample:
+        return None, None
+    s = torch.randint(0, SEED_HIGH, (2,), generator=params.generator).tolist()
+    return int(s[0]), int(s[1])
