@@ -25,6 +25,7 @@ class RoundStats:
     verify_model_s: float = 0.0
     overlap_draft_s: float = 0.0  # overlapped mode: the speculative draft beside verification
     spec_hit: bool | None = None  # overlapped mode: did this round's speculation hold (None: none ran)
+    drafter: str = ""  # what drafted this round: "model", "ngram", "hybrid" or "none" (a plain target step)
 
 
 @dataclass
@@ -104,7 +105,16 @@ class SpecStats:
             "draft_fallback": self.draft_fallback,
             "spec_rounds": self.spec_rounds,
             "overlap_hit_rate": self.spec_hits / self.spec_rounds if self.spec_rounds else None,
+            "rounds_by_drafter": self.rounds_by_drafter(),
         }
+
+    def rounds_by_drafter(self) -> dict[str, int]:
+        """How many rounds each drafter drafted (``"none"``: plain target steps)."""
+        out: dict[str, int] = {}
+        for r in self.rounds:
+            key = r.drafter or ("model" if r.drafted_depth else "none")
+            out[key] = out.get(key, 0) + 1
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"summary": self.summary(), "rounds": [asdict(r) for r in self.rounds]}

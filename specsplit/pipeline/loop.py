@@ -2,8 +2,10 @@
 
 Each round:
 
-1. **draft**: the draft side extends its session by the tokens committed since its last call and
-   grows a tree (or the tree drafted speculatively during the last verification is used);
+1. **draft**: the round's drafting is planned (:class:`~specsplit.engines.cost_model.CostModel`: the
+   model draft, an n-gram tree from the committed tokens, both merged, or none when nothing pays);
+   a model draft extends its session by the tokens committed since its last call and grows a tree
+   (or the tree drafted speculatively during the last verification is used);
 2. **verify**: the target runs ONE forward over its pending token and the tree and accepts the
    longest agreeing path plus one token of its own; in overlapped mode the draft side drafts the
    next round meanwhile, assuming this one accepts the draft's main path;
@@ -26,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from specsplit.core.tree import TokenTree
+from specsplit.engines.cost_model import CostModel, RoundPlan
+from specsplit.engines.drafters import NgramDrafter, NgramSession, merge_trees, proposal_tree
 from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, TransportError
 from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from specsplit.pipeline.on_target import decode_on_target
@@ -137,10 +141,22 @@ class _Generation:
         self.transport, self.prompt, self.params, self.out, self.stats = transport, prompt, params, out, stats
         self.sid = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(params)
-        overlap = params.overlap and transport.has_draft
+        self.mode = params.drafter
+        overlap = params.overlap and transport.has_draft and self.mode == "model"
         extra = params.tree.depth_limit + 1 if overlap else 0  # a speculative extension's tokens
-        self.capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + 8
+        self.ngram: NgramSession | None = None
+        max_ngram = 0
+        if self.mode != "model":  # an n-gram index of the committed tokens
+            drafter = params.ngram or NgramDrafter(suffix=self.mode in ("suffix", "auto"))
+            self.ngram = drafter.session(prompt)
+            max_ngram = drafter.settings.max_nodes
+        self.capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + max_ngram + 8
+        self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
+        self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
+        self.ngram_scores: list[float] = []
+        self.ngram_offset = 0  # index of the first n-gram node in the round's tree
         self.use_draft = transport.has_draft
+        self.pending_len = 0  # pending tokens of the round being verified
         self.draft_prefix, self.draft_new = 0, list(prompt)  # what the draft holds / has not seen
         self.target_prefix, self.pending = 0, list(prompt)  # what the target holds / has not seen
         self.ready: DraftResult | None = None  # next round's tree, drafted speculatively (a hit)
@@ -151,13 +167,35 @@ class _Generation:
 
     # ------------------------------------------------------------------ 1. draft
     def draft(self, remaining: int) -> tuple[TokenTree, DraftResult | None]:
-        """This round's tree: the speculative one if it held, else a draft call (none near the end
-        or without a draft: the round is then a plain target step)."""
-        if not self.use_draft or remaining <= 1:
+        """This round's tree: as planned (a model draft, an n-gram tree, both merged, or none: a
+        plain target step), or the one drafted speculatively if it held."""
+        if remaining <= 1 or not (self.use_draft or self.ngram is not None):
+            self.plan = RoundPlan(False, 0)
             return TokenTree.empty(), None
         if self.ready is not None:
             spec, self.ready = self.ready, None
             return spec.tree, spec
+        proposal = self.ngram.propose() if self.ngram is not None else None
+        if proposal is not None:
+            self.plan = self.cost.plan(proposal.scores, self.use_draft)
+        else:
+            self.plan = RoundPlan(model=self.use_draft, ngram_size=0)
+        tree, dres = TokenTree.empty(), None
+        if self.plan.model:
+            dres = self._model_draft(remaining)
+            if dres is not None:
+                tree = dres.tree
+        self.ngram_scores, self.ngram_offset = [], tree.num_nodes
+        if proposal is not None and self.plan.ngram_size:
+            depth = self.ngram.drafter.settings.max_depth if self.ngram is not None else 0
+            extra, self.ngram_scores = proposal_tree(
+                proposal, self.plan.ngram_size, depth, fixed_bounds=not self.params.sampling.do_sample
+            )
+            tree = merge_trees(tree, extra) if dres is not None else extra
+        return tree, dres
+
+    def _model_draft(self, remaining: int) -> DraftResult | None:
+        """The draft model's tree for this round (None when the draft became unreachable)."""
         req = DraftRequest(self.sid, self.draft_new, self.draft_prefix, self.params.tree, self.params.sampling,
                            self.seeds[0], remaining - 1, self.capacity)  # fmt: skip
         dres: DraftResult | None = None
@@ -169,7 +207,7 @@ class _Generation:
             self.use_draft, self.stats.draft_fallback = False, True
         if self.params.after_draft is not None:
             self.params.after_draft()
-        return (dres.tree if dres is not None else TokenTree.empty()), dres
+        return dres
 
     # ------------------------------------------------------------------ 2. verify
     def verify(
@@ -178,6 +216,7 @@ class _Generation:
         """One target forward over the pending token and the tree; in overlapped mode the next
         round is drafted meanwhile. Returns ``(result, end time, speculative draft, its seconds)``."""
         p = self.params
+        self.pending_len = len(self.pending)
         vreq = VerifyRequest(
             self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity
         )
@@ -217,6 +256,8 @@ class _Generation:
         new = vres.accepted_token_ids + [vres.next_token_id]
         kept, stopped = self.stopper.cut(self.out, new[:remaining])
         self.out.extend(kept)
+        if self.ngram is not None:
+            self.ngram.extend(kept)
         self.target_prefix, self.pending = vres.prefix_length, [vres.next_token_id]
         hit = None
         if spec is not None:
@@ -259,13 +300,22 @@ class _Generation:
             verify_model_s=vres.stats.model_time_s,
             overlap_draft_s=spec_s,
             spec_hit=hit,
+            drafter=self.plan.arm if vres.num_nodes or self.plan.arm == "none" else "none",
         )
         self.stats.rounds.append(rs)
+        if self.mode != "model" and self.pending_len == 1:  # a prompt's first round is no round's cost
+            start = self.ngram_offset
+            acc = set(vres.accepted_node_indices)
+            flags = [start + i in acc for i in range(len(self.ngram_scores))]
+            self.cost.observe(self.plan, vres.num_nodes, rs.verify_s, t3 - t0, rs.draft_s,
+                              len(vres.accepted_token_ids) + 1, self.ngram_scores, flags)  # fmt: skip
         return rs
 
     def close(self) -> None:
         """End the session on both sides (a failure here only logs: the TTL frees it anyway)."""
         self.stats.wall_time_s = time.perf_counter() - self.t_start
+        if self.ngram is not None:
+            self.ngram.finish()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
         try:

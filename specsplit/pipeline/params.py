@@ -12,6 +12,8 @@ from specsplit.config import TreeConfig
 from specsplit.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from specsplit.engines.cost_model import CostModel
+    from specsplit.engines.drafters import NgramDrafter
     from specsplit.pipeline.overlap import OverlapPolicy
 
 SEED_HIGH = 2**62
@@ -33,6 +35,9 @@ class DecodeParams:
     overlap_policy: str = "adaptive"  # or "always" (see SpecSplitConfig.overlap_policy)
     policy: OverlapPolicy | None = None  # kept across calls by the caller; None: a fresh one
     loop: str = "client"  # "target": the target worker runs the rounds (GrpcTransport.generate_on_target)
+    drafter: str = "model"  # "model" | "ngram" | "suffix" | "hybrid" | "auto" (SpecSplitConfig.drafter)
+    ngram: NgramDrafter | None = None  # n-gram settings and suffix cache, kept across calls by the caller
+    cost: CostModel | None = None  # the round planner, kept across calls by the caller; None: a fresh one
 
 
 def round_seeds(params: DecodeParams) -> tuple[int | None, int | None]:

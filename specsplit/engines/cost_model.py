@@ -1,0 +1,321 @@
+"""A cost model that sizes every round: which drafter, how many nodes, or no speculation at all.
+
+A round commits ``E`` tokens in expectation (the accepted ones plus the target's own) and costs
+``T`` seconds; the round loop wants the largest ``E / T``. The model measures, online, on the
+machine and pair at hand:
+
+- ``t_fixed``: the loop's own time a round (host work, transport), outside the verify call;
+- ``t_verify(n)``: a verification of ``n`` tree nodes, per tree size (a target step is ``n = 0``);
+  sizes not seen yet are interpolated, and beyond the largest seen, extrapolated;
+- ``t_model``: a model draft (the draft call plus the GPU work it leaves for the verification);
+- acceptance: n-gram proposal scores are calibrated against how often nodes of that score were
+  accepted; the model draft's tokens per round are an average over the rounds that used it.
+
+Each round it evaluates the arms the drafter mode allows — no speculation, an n-gram tree of each
+size, the model's tree, the model's tree with n-gram nodes merged in — and picks the best predicted
+``E / T``. No speculation is an arm like the others, so when nothing pays the loop runs plain
+target steps: SpecSplit is never (for long) slower than its own target-only decode. Arms with a
+model draft are probed now and then (like :class:`~specsplit.pipeline.overlap.OverlapPolicy`),
+ever less often while they lose.
+
+Deterministic under test: :class:`FixedCosts` injects the costs, and nothing here is random.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specsplit.engines.drafters import TREE_SIZES
+
+MODES = ("model", "ngram", "suffix", "hybrid", "auto")
+_CAL_BINS = 10
+_CAL_PRIOR = 4.0  # pseudo-observations at the raw score, per calibration bin
+_EMA = 0.2
+_STALL = 4.0  # a sample this many times the estimate is a stall (a capture, a compile), not a cost
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round drafts.
+
+    Attributes:
+        model: run the model draft.
+        ngram_size: nodes of the n-gram tree (0: none); merged into the model's tree when both.
+        expected: predicted tokens committed.
+        seconds: predicted round time.
+        probe: chosen to measure an arm, not because it looked best.
+    """
+
+    model: bool
+    ngram_size: int
+    expected: float = 1.0
+    seconds: float = 0.0
+    probe: bool = False
+
+    @property
+    def arm(self) -> str:
+        if self.model:
+            return "hybrid" if self.ngram_size else "model"
+        return "ngram" if self.ngram_size else "none"
+
+
+@dataclass
+class FixedCosts:
+    """Injected costs (tests, or a machine measured ahead of time); the model then learns acceptance only.
+
+    Attributes:
+        fixed: seconds of the loop's own work a round.
+        verify: seconds of a verification of ``n`` nodes.
+        model: seconds a model draft adds to a round.
+    """
+
+    fixed: float
+    verify: Callable[[int], float]
+    model: float = float("inf")
+
+
+class _Curve:
+    """Verification seconds by tree size, measured: an average per size, interpolated between sizes."""
+
+    def __init__(self) -> None:
+        self.mean: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+
+    def add(self, n: int, seconds: float) -> None:
+        seen = self.samples.get(n, 0)
+        self.samples[n] = seen + 1
+        if seen == 0:  # the first round of a size may capture a graph or compile: not its cost
+            return
+        old = self.mean.get(n)
+        if old is None:
+            self.mean[n] = seconds
+        elif seconds < _STALL * old:
+            self.mean[n] = old + _EMA * (seconds - old)
+
+    def __call__(self, n: int) -> float | None:
+        if n in self.mean:
+            return self.mean[n]
+        xs = sorted(self.mean)
+        if not xs:
+            return None
+        i = bisect.bisect_left(xs, n)
+        if 0 < i < len(xs):  # between two measured sizes
+            a, b = xs[i - 1], xs[i]
+            return self.mean[a] + (self.mean[b] - self.mean[a]) * (n - a) / (b - a)
+        if len(xs) == 1:  # one size known: assume a forward grows slowly with its tree
+            return self.mean[xs[0]] * (1.0 + 0.01 * abs(n - xs[0]))
+        a, b = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1])
+        slope = max((self.mean[b] - self.mean[a]) / (b - a), 0.0)
+        return max(self.mean[a] + slope * (n - a), 0.0)
+
+
+@dataclass
+class _Calibration:
+    """How often n-gram nodes of a given proposal score end on the accepted path."""
+
+    proposed: list[float] = field(default_factory=lambda: [0.0] * _CAL_BINS)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * _CAL_BINS)
+
+    @staticmethod
+    def _bin(score: float) -> int:
+        return min(int(score * _CAL_BINS), _CAL_BINS - 1)
+
+    def p(self, score: float) -> float:
+        b = self._bin(score)
+        return (self.accepted[b] + _CAL_PRIOR * score) / (self.proposed[b] + _CAL_PRIOR)
+
+    def add(self, scores: Sequence[float], accepted: Sequence[bool]) -> None:
+        for s, ok in zip(scores, accepted, strict=True):
+            if s > 0.0:  # padding nodes carry no score
+                b = self._bin(s)
+                self.proposed[b] += 1.0
+                self.accepted[b] += float(ok)
+
+
+class CostModel:
+    """Chooses each round's drafting for one drafter mode (see the module docstring).
+
+    One instance serves a generator (or a worker) across generations, for one mode, tree shape and
+    sampling setting: what it measured on earlier prompts holds for the next ones. Thread-safe.
+
+    Args:
+        mode: ``"model"``, ``"ngram"``, ``"suffix"``, ``"hybrid"`` or ``"auto"``.
+        model_nodes: nodes of the model draft's tree (its shape's budget).
+        max_ngram: most n-gram nodes a round may verify.
+        costs: injected costs (tests); measured online when None.
+        probe_every: rounds between probes of an arm with a model draft while another arm wins
+            (doubling up to ``max_probe_every`` each time the probe confirms it loses).
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        model_nodes: int = 0,
+        max_ngram: int = 32,
+        costs: FixedCosts | None = None,
+        probe_every: int = 32,
+        max_probe_every: int = 1024,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"drafter must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.model_nodes = model_nodes
+        self.sizes = tuple(s for s in TREE_SIZES if s <= max_ngram)
+        self.costs = costs
+        self.verify = _Curve()
+        self.fixed: float | None = None
+        self.model_s: float | None = None
+        self.model_tau: float | None = None  # tokens a round with the model's tree alone
+        self.merge_gain = 0.5  # share of the n-gram nodes' expected gain a merged tree keeps
+        self.cal = _Calibration()
+        self.rounds = 0
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self._next_probe = 0
+        self._probe_left = 3  # model rounds measured first (when a model is there)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ costs
+    def _t_fixed(self) -> float:
+        if self.costs is not None:
+            return self.costs.fixed
+        return self.fixed if self.fixed is not None else 0.0
+
+    def _t_verify(self, n: int) -> float:
+        if self.costs is not None:
+            return self.costs.verify(n)
+        t = self.verify(n)
+        return t if t is not None else 1.0
+
+    def _t_model(self) -> float | None:
+        if self.costs is not None:
+            return self.costs.model
+        return self.model_s
+
+    # ------------------------------------------------------------------ planning
+    def expected_curve(self, scores: Sequence[float]) -> list[float]:
+        """``curve[k]``: calibrated expected tokens of a round verifying the ``k`` best-scored nodes."""
+        out = [1.0]
+        for s in sorted(scores, reverse=True):
+            out.append(out[-1] + self.cal.p(s))
+        return out
+
+    def plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
+        """This round's drafting, from the n-gram proposal's scores (empty: no match).
+
+        Args:
+            scores: scores of the n-gram proposal's nodes (any order).
+            model_available: a model draft can run this round.
+        """
+        with self._lock:
+            return self._plan(scores, model_available)
+
+    def _plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
+        mode = self.mode
+        if mode == "model":
+            return RoundPlan(model=model_available, ngram_size=0)
+        curve = self.expected_curve(scores)
+        fixed = self._t_fixed()
+        arms = [RoundPlan(False, 0, 1.0, fixed + self._t_verify(0))]
+        arms += [
+            RoundPlan(False, size, curve[min(size, len(curve) - 1)], fixed + self._t_verify(size))
+            for size in self._sizes(len(curve) - 1)
+        ]
+        if not model_available or mode in ("ngram", "suffix"):
+            return max(arms, key=_rate)
+        # Arms with the model's tree: its tokens a round are measured on rounds that use it alone.
+        t_model = self._t_model()
+        measured = t_model is not None and self.model_tau is not None
+        tau = self.model_tau if self.model_tau is not None else 1.0
+        base = fixed + (t_model or 0.0)
+        alone = RoundPlan(True, 0, tau, base + self._t_verify(self.model_nodes))
+        merged = [
+            RoundPlan(
+                True,
+                size,
+                tau + self.merge_gain * (curve[min(size, len(curve) - 1)] - 1.0),
+                base + self._t_verify(self.model_nodes + size),
+            )
+            for size in self._sizes(len(curve) - 1)
+        ]
+        if mode == "hybrid":
+            return max([alone, *merged], key=_rate)
+        if not measured or self._probe_left > 0 or self.rounds >= self._next_probe:
+            return RoundPlan(True, 0, alone.expected, alone.seconds, probe=True)
+        return max([*arms, alone, *merged], key=_rate)
+
+    def _sizes(self, proposed: int) -> list[int]:
+        """Tree sizes worth pricing for a proposal of ``proposed`` nodes (larger ones only pad)."""
+        out = []
+        for size in self.sizes:
+            if proposed <= 0:
+                break
+            out.append(size)
+            if size >= proposed:
+                break
+        return out
+
+    # ------------------------------------------------------------------ learning
+    def observe(
+        self,
+        plan: RoundPlan,
+        nodes: int,
+        verify_s: float,
+        round_s: float,
+        draft_s: float,
+        committed: int,
+        ngram_scores: Sequence[float] = (),
+        ngram_accepted: Sequence[bool] = (),
+    ) -> None:
+        """One finished round.
+
+        Args:
+            plan: what the round did.
+            nodes: tree nodes verified.
+            verify_s / draft_s / round_s: wall seconds of the verify call, the draft call and the
+                whole round.
+            committed: tokens the round committed (accepted + 1, before stop conditions).
+            ngram_scores / ngram_accepted: the n-gram nodes' scores and whether each was accepted
+                (pure n-gram rounds calibrate the scores).
+        """
+        with self._lock:
+            self.rounds += 1
+            if plan.model:
+                self._observe_model(plan, nodes, verify_s + draft_s, committed, ngram_scores)
+            else:
+                self.verify.add(nodes, verify_s)
+                fixed = max(round_s - verify_s, 0.0)
+                self.fixed = fixed if self.fixed is None else self.fixed + _EMA * (fixed - self.fixed)
+                if plan.ngram_size:
+                    self.cal.add(ngram_scores, ngram_accepted)
+
+    def _observe_model(
+        self, plan: RoundPlan, nodes: int, busy_s: float, committed: int, scores: Sequence[float]
+    ) -> None:
+        if self._probe_left > 0:
+            self._probe_left -= 1
+        t_v = self.verify(nodes)
+        if t_v is not None:
+            cost = max(busy_s - t_v, 0.0)
+            if self.model_s is None:
+                self.model_s = cost
+            elif cost < _STALL * self.model_s:
+                self.model_s += _EMA * (cost - self.model_s)
+        if plan.ngram_size == 0:
+            tau = float(committed)
+            self.model_tau = tau if self.model_tau is None else self.model_tau + _EMA * (tau - self.model_tau)
+        elif self.model_tau is not None:
+            gain = sum(self.cal.p(s) for s in scores if s > 0.0)
+            if gain > 0:
+                share = min(max((committed - self.model_tau) / gain, 0.0), 1.0)
+                self.merge_gain += _EMA * (share - self.merge_gain)
+        if plan.probe and self._probe_left == 0 and self.rounds >= self._next_probe:
+            # Look at the model's tree again later, ever later: a probe costs a round at its rate.
+            self._next_probe = self.rounds + self.probe_every
+            self.probe_every = min(self.probe_every * 2, self.max_probe_every)
+
+
+def _rate(p: RoundPlan) -> float:
+    return p.expected / p.seconds if p.seconds > 0 else p.expected * 1e12

@@ -1,0 +1,192 @@
+"""Drafters that cost (almost) nothing: n-gram and suffix drafting, and trees merged with a model's.
+
+A drafter proposes a :class:`~specsplit.core.tree.TokenTree` for a session's committed context. The
+*model* drafter is the :class:`~specsplit.engines.draft.DraftEngine` (a small LM, reached through a
+transport). The drafters here run on the host, beside the round loop:
+
+- ``ngram``: prompt lookup over the session's own prompt and generated tokens
+  (:class:`~specsplit.core.ngram.NgramIndex`): the longest suffix of the context that occurred
+  before proposes what followed it; several earlier occurrences with different continuations form
+  a branching tree, ranked by frequency.
+- ``suffix``: the same, plus an index of earlier generations of this process or worker
+  (:class:`~specsplit.core.ngram.SuffixCache`, bounded memory), as SuffixDecoding does for
+  repetitive and agentic workloads.
+- ``hybrid``: n-gram candidates merged into the model's tree (:func:`merge_trees`) under one
+  node budget, verified by one target forward.
+
+Every tree here is deterministic: ``q`` is one-hot on each node's token, so verification stays
+lossless under sampling (recursive rejection sampling accepts any tree whose ``q`` is exact).
+Trees are padded to a few fixed sizes (:data:`TREE_SIZES`) so a target on the CUDA-graph path
+replays a bounded set of graphs; a padding node is one more (deterministic) guess, so padding never
+changes what is committed, only what a round costs.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
+from specsplit.core.tree import TokenTree
+
+# Node counts an n-gram tree is padded to (one target graph each on the CUDA-graph path).
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def tree_size(k: int) -> int:
+    """The smallest of :data:`TREE_SIZES` that holds ``k`` nodes (0 for none)."""
+    if k <= 0:
+        return 0
+    return next((s for s in TREE_SIZES if s >= k), TREE_SIZES[-1])
+
+
+@dataclass(frozen=True)
+class NgramSettings:
+    """How n-gram proposals are made.
+
+    Attributes:
+        min_n / max_n: shortest and longest context suffix matched.
+        max_depth: deepest proposed node (deep chains pay when a long passage repeats).
+        max_nodes: most nodes a proposal (and so a round's n-gram tree) holds.
+        max_matches: earlier occurrences merged per lookup.
+        suffix_cache_tokens: tokens of earlier generations kept for ``suffix`` drafting.
+    """
+
+    min_n: int = 1
+    max_n: int = 6
+    max_depth: int = 16
+    max_nodes: int = 32
+    max_matches: int = 8
+    suffix_cache_tokens: int = 200_000
+
+
+class NgramDrafter:
+    """Process-wide n-gram drafting: settings, and the suffix cache shared by every session.
+
+    Args:
+        settings: how proposals are made.
+        suffix: also index finished generations (``suffix`` drafting).
+    """
+
+    def __init__(self, settings: NgramSettings | None = None, suffix: bool = False):
+        self.settings = settings or NgramSettings()
+        self.scoring = Scoring()
+        self._cache: SuffixCache | None = None
+        self._suffix = suffix
+        self._lock = threading.Lock()
+
+    @property
+    def cache(self) -> SuffixCache | None:
+        """The suffix cache (created on first use), or None when this drafter does not keep one."""
+        if not self._suffix:
+            return None
+        with self._lock:
+            if self._cache is None:
+                s = self.settings
+                self._cache = SuffixCache(max_tokens=s.suffix_cache_tokens, max_n=s.max_n)
+            return self._cache
+
+    def session(self, prompt: list[int]) -> NgramSession:
+        """A session's index over ``prompt`` (extended with every committed token)."""
+        return NgramSession(self, prompt)
+
+
+class NgramSession:
+    """The n-gram index of one generation."""
+
+    def __init__(self, drafter: NgramDrafter, prompt: list[int]):
+        s = drafter.settings
+        self.drafter = drafter
+        self.index = NgramIndex(s.min_n, s.max_n, s.max_matches, prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index tokens just committed."""
+        self.index.extend(tokens)
+
+    def propose(self) -> Proposal:
+        """The best tree the indexes suggest for the committed context (empty when nothing matched)."""
+        s = self.drafter.settings
+        return propose_from(self.index, self.drafter.cache, s.max_nodes, s.max_depth, self.drafter.scoring)
+
+    def finish(self) -> None:
+        """Offer the whole sequence to the suffix cache (``suffix`` drafting)."""
+        cache = self.drafter.cache
+        if cache is not None:
+            cache.add(self.index.tokens)
+
+
+def proposal_tree(
+    proposal: Proposal, size: int, depth_bound: int, fixed_bounds: bool
+) -> tuple[TokenTree, list[float]]:
+    """The ``size`` best nodes of ``proposal`` as a host tree, padded with extra roots to ``size``.
+
+    Args:
+        proposal: n-gram candidates.
+        size: nodes of the tree (one of :data:`TREE_SIZES`).
+        depth_bound: the deepest a proposal may go (the tree's depth bound).
+        fixed_bounds: give the tree bounds that depend on ``size`` only (``(size, depth_bound)``), so
+            a greedy target replays one graph per size; otherwise its exact bounds (sampling, where
+            verification's work grows with the widest fan-out).
+
+    Returns:
+        ``(tree, scores)``: ``scores[i]`` is node ``i``'s proposal score (0 for padding).
+    """
+    top = proposal.top(size)
+    pad = size - top.num_nodes
+    tokens = top.token_ids + [top.token_ids[0] if top.token_ids else 0] * pad
+    parents = top.parents + [-1] * pad
+    depths = top.depths + [1] * pad
+    z = torch.tensor
+    tree = TokenTree(
+        z(tokens, dtype=torch.long),
+        z(parents, dtype=torch.long),
+        z(depths, dtype=torch.long),
+        torch.zeros(size, dtype=torch.float32),
+    )
+    if fixed_bounds:
+        tree.max_branch, tree.depth_bound = size, max(depth_bound, top.max_depth)
+    else:
+        roots = sum(1 for p in parents if p < 0)
+        tree.max_branch, tree.depth_bound = max(top.max_branch, roots), max(top.max_depth, 1 if size else 0)
+    return tree, top.scores + [0.0] * pad
+
+
+def merge_trees(model: TokenTree, extra: TokenTree) -> TokenTree:
+    """One tree: the model's nodes, then ``extra``'s (its roots beside the model's roots).
+
+    Siblings are verified in index order, so the model's children are tried first; the extra nodes
+    are deterministic guesses (``q`` one-hot), which keeps stochastic verification exact after any
+    earlier siblings. Device ops only (``extra`` is copied to the model tree's device without a sync).
+
+    Args:
+        model: the model draft's tree (its own device).
+        extra: a deterministic tree (host or device).
+    """
+    if extra.num_nodes == 0:
+        return model
+    dev = model.device
+    ex = extra.to(dev)
+    n = model.num_nodes
+    parents = torch.cat([model.parents, torch.where(ex.parents >= 0, ex.parents + n, ex.parents)])
+    q_ids = q_probs = None
+    if model.q_ids is not None and model.q_probs is not None:
+        kq = model.q_ids.shape[1]
+        one_ids = torch.zeros(ex.num_nodes, kq, dtype=model.q_ids.dtype, device=dev)
+        one_ids[:, 0] = ex.token_ids
+        one_probs = torch.zeros(ex.num_nodes, kq, dtype=model.q_probs.dtype, device=dev)
+        one_probs[:, 0] = 1.0
+        q_ids, q_probs = torch.cat([model.q_ids, one_ids]), torch.cat([model.q_probs, one_probs])
+    mb, md = model.bounds()
+    eb, ed = ex.bounds()
+    return TokenTree(
+        torch.cat([model.token_ids, ex.token_ids]),
+        parents,
+        torch.cat([model.depths, ex.depths]),
+        torch.cat([model.log_probs.float(), ex.log_probs.float()]),
+        q_ids,
+        q_probs,
+        max_branch=mb + eb,
+        depth_bound=max(md, ed),
+    )
