@@ -9,7 +9,16 @@ Quick start::
 
 from __future__ import annotations
 
-from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig, TreeConfig
+from specsplit.config import (
+    DraftConfig,
+    EngineTuning,
+    NgramConfig,
+    PipelineTuning,
+    SpecPVConfig,
+    SpecSplitConfig,
+    TargetConfig,
+    TreeConfig,
+)
 from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenNode, TokenTree
 from specsplit.core.tree_attention import bool_mask_to_float, build_tree_attention
@@ -41,14 +50,18 @@ __all__ = [
     "DraftConfig",
     "DraftEngine",
     "DraftRequest",
+    "EngineTuning",
     "DraftResult",
     "InvalidRequest",
     "KVCacheState",
     "LocalTransport",
     "ModelLoadError",
+    "NgramConfig",
+    "PipelineTuning",
     "ResourceExhausted",
     "SamplingParams",
     "SessionNotFound",
+    "SpecPVConfig",
     "SpecSplitConfig",
     "SpecSplitError",
     "SpecSplitGenerator",

@@ -33,6 +33,8 @@ from specsplit.core.tree import (
 from specsplit.errors import ConfigError
 
 TreeShape = Literal["chain", "static", "dynamic"]
+Drafter = Literal["model", "ngram", "suffix", "hybrid", "auto"]
+DRAFTERS = ("model", "ngram", "suffix", "hybrid", "auto")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
 
@@ -341,6 +343,36 @@ class TargetConfig:
 
 
 @dataclass
+class NgramConfig:
+    """How n-gram and suffix drafters propose trees (:mod:`specsplit.engines.drafters`).
+
+    Attributes:
+        min_n / max_n: shortest and longest suffix of the committed context that is looked up.
+        max_depth: deepest proposed node (long chains pay when a passage repeats).
+        max_nodes: most nodes an n-gram tree holds.
+        max_matches: earlier occurrences merged into one proposal.
+        suffix_cache_tokens: tokens of earlier generations the ``suffix`` and ``auto`` drafters keep
+            (per generator or worker; the oldest generations go first).
+    """
+
+    min_n: int = 1
+    max_n: int = 6
+    max_depth: int = 16
+    max_nodes: int = 32
+    max_matches: int = 8
+    suffix_cache_tokens: int = 200_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ConfigError(f"ngram needs 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        for name in ("max_depth", "max_nodes", "max_matches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ngram.{name} must be >= 1, got {getattr(self, name)}")
+        if self.suffix_cache_tokens < 0:
+            raise ConfigError(f"ngram.suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
+
+
+@dataclass
 class PipelineTuning:
     """How the round loop talks to the engines: switches that exist to compare implementations.
 
@@ -352,11 +384,13 @@ class PipelineTuning:
             (unary calls wherever a worker refuses or lacks them). Off: unary calls only.
         sync_timing: synchronise the device around each span so telemetry's draft/verify split
             is exact (costs a little speed on a GPU).
+        ngram: how n-gram drafters propose trees (:class:`NgramConfig`).
     """
 
     overlap_policy: Literal["adaptive", "always"] = "adaptive"
     grpc_streams: bool = True
     sync_timing: bool = False
+    ngram: NgramConfig = field(default_factory=NgramConfig)
 
     def __post_init__(self) -> None:
         if self.overlap_policy not in ("adaptive", "always"):
@@ -377,9 +411,16 @@ class SpecSplitConfig:
         timeout_s: deadline of each remote call.
         auth_token: bearer token sent to the workers (gRPC mode).
         tls_ca_file: CA certificate that signs the workers' TLS certificates (gRPC mode).
-        overlap: draft round N+1 while round N verifies (pays only with draft and target on
-            different devices or machines; the output is identical either way).
-        tree: shape of the draft tree.
+        drafter: what proposes each round's tree: ``"model"`` (the draft model), ``"ngram"``
+            (prompt lookup over the prompt and the generated tokens: free to run, no draft model
+            needed), ``"suffix"`` (n-gram lookup that also indexes earlier generations of this
+            generator or worker), ``"hybrid"`` (n-gram candidates merged into the model's tree) or
+            ``"auto"`` (a cost model measured online picks, each round, no speculation, an n-gram
+            tree, the model's tree or both, whichever commits tokens fastest). Lossless in every
+            mode.
+        overlap: draft round N+1 while round N verifies (``drafter="model"`` only; pays only with
+            draft and target on different devices or machines; the output is identical either way).
+        tree: shape of the draft model's tree.
         draft / target: the two engines.
         tuning: A/B switches of the round loop (:class:`PipelineTuning`).
     """
@@ -391,6 +432,7 @@ class SpecSplitConfig:
     timeout_s: float = 60.0
     auth_token: str | None = None
     tls_ca_file: str | None = None
+    drafter: Drafter = "model"
     overlap: bool = False
     tree: TreeConfig = field(default_factory=TreeConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -405,6 +447,8 @@ class SpecSplitConfig:
                 "transport='grpc' needs target_address='host:port' (or SPECSPLIT_TARGET_ADDRESS); "
                 "draft_address is optional (without it the client decodes target-only)"
             )
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.grpc_loop not in ("client", "target"):
             raise ConfigError(f"grpc_loop must be 'client' or 'target', got {self.grpc_loop!r}")
         if self.grpc_loop == "target" and self.transport != "grpc":

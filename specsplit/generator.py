@@ -12,7 +12,9 @@ from transformers import GenerationConfig
 
 from specsplit.config import SpecSplitConfig
 from specsplit.core.sampling import SamplingParams
+from specsplit.engines.cost_model import CostModels
 from specsplit.engines.draft import DraftEngine
+from specsplit.engines.drafters import NgramDrafter
 from specsplit.engines.target import TargetEngine
 from specsplit.errors import ConfigError
 from specsplit.local import LocalTransport
@@ -111,6 +113,11 @@ class SpecSplitGenerator:
         # Overlapped mode's speculate-or-not policy, one per (tree shape, sampling or greedy): what
         # it measured on earlier prompts holds for the next ones on the same machine and pair.
         self._overlap_policies = OverlapPolicies()
+        # The n-gram drafters' suffix cache and the round planners: what they learned on earlier
+        # prompts (earlier generations' text, costs and acceptance) holds for the next ones.
+        mode = self.config.drafter
+        self._ngram = NgramDrafter(self.config.tuning.ngram, suffix=mode in ("suffix", "auto"))
+        self._costs = CostModels()
         gc = getattr(target_model, "generation_config", None)
         self.generation_config = copy.deepcopy(gc) if gc is not None else GenerationConfig()
 
@@ -282,6 +289,15 @@ class SpecSplitGenerator:
             overlap_policy=self.config.tuning.overlap_policy,
             policy=self._overlap_policy(do_sample) if self.config.overlap else None,
             loop=self.config.grpc_loop,
+            drafter=self.config.drafter,
+            ngram=self._ngram,
+            cost=self._costs.get(
+                self.config.drafter,
+                repr(self.config.tree),
+                self.config.tree.max_nodes,
+                do_sample,
+                self.config.tuning.ngram.max_nodes,
+            ),
         )
 
     def _overlap_policy(self, do_sample: bool) -> OverlapPolicy:
@@ -325,6 +341,11 @@ class SpecSplitGenerator:
         new = out.sequences[0, enc["input_ids"].shape[1] :]
         result = tok.decode(new.tolist(), skip_special_tokens=True)
         return (result, out.spec_stats) if return_stats else result
+
+    def forget_generations(self) -> None:
+        """Drop the earlier generations the ``suffix`` and ``auto`` drafters draft from (what the cost
+        model measured stays)."""
+        self._ngram.clear()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

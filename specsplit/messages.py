@@ -166,6 +166,7 @@ class GenerateRequest:
         rng_state: sampling only: ``torch.Generator.get_state()`` bytes of the CPU generator the
             per-round seeds are drawn from (empty: a fresh nondeterministic generator).
         overlap / overlap_policy: as in :class:`~specsplit.config.SpecSplitConfig`.
+        drafter: as ``SpecSplitConfig.drafter``; ``""``: the worker's default.
     """
 
     session_id: str
@@ -177,6 +178,7 @@ class GenerateRequest:
     rng_state: bytes = b""
     overlap: bool = False
     overlap_policy: str = "adaptive"
+    drafter: str = ""
 
 
 @dataclass

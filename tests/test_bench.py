@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.bench.decoders import DECODERS
+from specsplit.bench.decoders import DEFAULT_DECODERS, BuildOptions
 from specsplit.bench.report import RunRecord, first_difference, rounds_to_counts, summarize
 from specsplit.bench.run import CATEGORIES, DEFAULT_PROMPTS, SCHEMA, load_prompts
 from specsplit.cli import main
+from specsplit.config import EngineTuning
 
 NOT_DRAFTING = {"hf-target", "hf-assisted-default", "hf-prompt-lookup", "specsplit-target-only"}
-SPECULATIVE = tuple(d for d in DECODERS if d not in NOT_DRAFTING)
+SPECULATIVE = tuple(d for d in DEFAULT_DECODERS if d not in NOT_DRAFTING)
 _METRICS = {
     "prompts": int,
     "new_tokens_per_prompt": float,
@@ -58,7 +59,7 @@ def test_smoke_json_schema(smoke: tuple[dict, Path]) -> None:
         assert machine[key], key
     cfg = result["config"]
     assert (cfg["suite"], cfg["max_new_tokens"], cfg["repeats"], cfg["num_prompts"]) == ("smoke", 16, 2, 2)
-    expected = [d for d in DECODERS if d != "specsplit-grpc" or _grpc_available()]
+    expected = [d for d in DEFAULT_DECODERS if d != "specsplit-grpc" or _grpc_available()]
     assert cfg["decoders"] == expected
     if not _grpc_available():
         assert "specsplit-grpc" in cfg["skipped"]
@@ -154,9 +155,9 @@ def test_smoke_writes_table_and_plot(smoke: tuple[dict, Path]) -> None:
         assert "png" not in result["files"]
 
 
-def test_prompt_set_covers_six_categories() -> None:
+def test_prompt_set_covers_every_known_category() -> None:
     prompts = load_prompts(DEFAULT_PROMPTS)
-    assert len(prompts) >= 48
+    assert len(prompts) >= 8 * len(CATEGORIES)
     assert len({p.id for p in prompts}) == len(prompts)
     for cat in CATEGORIES:
         group = [p for p in prompts if p.category == cat]
@@ -167,6 +168,11 @@ def test_prompt_set_covers_six_categories() -> None:
             assert any(m["role"] == "assistant" for m in p.messages), p.id
         if p.category in ("summarization", "qa"):  # the passage is part of the prompt
             assert len(p.messages[-1]["content"]) > 400, p.id
+        if p.category == "code-editing":  # the code to edit is part of the prompt: 15-40 lines of Python
+            assert p.id.startswith("code-editing-"), p.id
+            code = p.messages[-1]["content"].split("```python\n", 1)[1].split("\n```", 1)[0]
+            compile(code, p.id, "exec")
+            assert 15 <= len(code.splitlines()) <= 40, p.id
     quick = load_prompts(DEFAULT_PROMPTS, per_category=1)
     assert [p.category for p in quick] == list(CATEGORIES)
 
@@ -174,7 +180,9 @@ def test_prompt_set_covers_six_categories() -> None:
 @pytest.mark.parametrize(
     "line, match",
     [
-        ('{"id": "a", "category": "poetry", "messages": [{"role": "user", "content": "x"}]}', "category"),
+        ('{"id": "a", "category": "", "messages": [{"role": "user", "content": "x"}]}', "category"),
+        ('{"id": "a", "category": "a|b", "messages": [{"role": "user", "content": "x"}]}', "category"),
+        ('{"id": "a", "category": 7, "messages": [{"role": "user", "content": "x"}]}', "category"),
         ('{"id": "a", "category": "code", "messages": [{"role": "robot", "content": "x"}]}', "roles"),
         (
             '{"id": "a", "category": "code", "messages": [{"role": "assistant", "content": "x"}]}',
@@ -187,6 +195,57 @@ def test_load_prompts_rejects_malformed_entries(tmp_path: Path, line: str, match
     (tmp_path / "bad.jsonl").write_text(line + "\n")
     with pytest.raises(ValueError, match=match):
         load_prompts(tmp_path)
+
+
+def test_load_prompts_accepts_any_category_known_ones_first(tmp_path: Path) -> None:
+    """Users bench their own workloads: any category name loads, after the known ones, sorted."""
+    lines = [
+        {"id": f"{cat}-{i}", "category": cat, "messages": [{"role": "user", "content": "x"}]}
+        for cat in ("zeta-logs", "math", "chat", "alpha-sql", "code-editing")
+        for i in (2, 1)
+    ]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    prompts = load_prompts(tmp_path)
+    order = ["chat", "code-editing", "math", "alpha-sql", "zeta-logs"]
+    assert [p.id for p in prompts] == [f"{c}-{i}" for c in order for i in (1, 2)]
+    assert [p.category for p in load_prompts(tmp_path, per_category=1)] == order
+
+
+def test_unknown_category_is_run_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A category outside :data:`CATEGORIES` gets its column in the Markdown tables and its bars in
+    the plot, after the known ones."""
+    import specsplit.bench.run as bench_run
+    from specsplit.bench.run import BenchOptions, BenchPrompt, run_bench
+
+    def prompts() -> list[BenchPrompt]:
+        ids = ([5, 9, 13, 17, 21, 25], [7, 11, 19, 23, 29, 31, 37])
+        return [
+            BenchPrompt("w-1", "my-workload", input_ids=ids[0]),
+            BenchPrompt("c-1", "chat", input_ids=ids[1]),
+        ]
+
+    monkeypatch.setattr(bench_run, "smoke_prompts", prompts)
+    ticks: list[str] = []
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib.figure
+
+        save = matplotlib.figure.Figure.savefig
+
+        def spy(fig: matplotlib.figure.Figure, *a: object, **kw: object) -> None:
+            ticks.extend(t.get_text() for t in fig.axes[0].get_xticklabels())
+            save(fig, *a, **kw)
+
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    opts = BenchOptions(suite="smoke", decoders=("hf-target", "specsplit-chain"), repeats=1, max_new_tokens=6,
+                        out=tmp_path, threads=1)  # fmt: skip
+    result = run_bench(opts)
+    assert result["config"]["categories"] == ["chat", "my-workload"]
+    for name in ("hf-target", "specsplit-chain"):
+        assert set(result["summary"][name]["by_category"]) == {"chat", "my-workload"}
+    md = Path(result["files"]["md"]).read_text()
+    assert "| decoder | chat | my-workload |" in md and "(chat, my-workload)" in md
+    if ticks:
+        assert ticks == ["chat", "my-workload", "all"]
 
 
 def test_load_prompts_rejects_duplicate_ids(tmp_path: Path) -> None:
@@ -255,7 +314,7 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     from specsplit.bench.decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
-    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-chain"], k=4, cuda_graphs=True)
+    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-chain"], BuildOptions(cuda_graphs=True))
     try:
         assert all(
             d.config.draft.tuning.prefill_graphs and d.config.target.tuning.prefill_graphs for d in decs
@@ -264,7 +323,7 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     finally:
         for d in decs:
             d.close()
-    decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=False)
+    decs, _ = build_decoders(m, ["specsplit-dynamic"], BuildOptions(cuda_graphs=False))
     try:
         assert not decs[0].config.target.tuning.prefill_graphs and not decs[0].config.target.cuda_graphs
     finally:
@@ -276,7 +335,8 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
         "specsplit-target-only-prefill",
         "specsplit-dynamic-prefill",
     ]
-    decs, skipped = build_decoders(m, ab, k=4, cuda_graphs=True, prefill_graphs=False)
+    no_prefill = EngineTuning(prefill_graphs=False)
+    decs, skipped = build_decoders(m, ab, BuildOptions(cuda_graphs=True, tuning=no_prefill))
     try:
         assert [d.name for d in decs] == ab and not skipped
         on = {
@@ -289,7 +349,7 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     finally:
         for d in decs:
             d.close()
-    decs, skipped = build_decoders(m, ["specsplit-dynamic-prefill"], k=4, cuda_graphs=False)
+    decs, skipped = build_decoders(m, ["specsplit-dynamic-prefill"], BuildOptions(cuda_graphs=False))
     assert not decs and "--cuda-graphs" in skipped["specsplit-dynamic-prefill"]
     argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--repeats", "1"]
     decoders = "hf-target,specsplit-target-only,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
@@ -316,34 +376,60 @@ def test_prefill_graphs_flag_reaches_every_specsplit_engine(tmp_path: Path) -> N
     assert local["per_position_acceptance"] == remote["per_position_acceptance"]
 
 
-def test_target_graph_rounds_reaches_every_specsplit_target(tmp_path: Path) -> None:
-    """``--target-graph-rounds`` (the default) reaches local targets; ``--no-target-graph-rounds`` turns it
-    off everywhere (same tokens) and is recorded."""
-    from specsplit.bench.decoders import build_decoders, load_models
+def test_graph_rounds_reaches_draft_and_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--graph-rounds`` (the default) and ``--no-graph-rounds`` reach every SpecSplit engine, draft and
+    target, local, in-process gRPC workers and the ``specsplit serve`` options of worker processes;
+    the ``-levels`` row keeps its draft off either way. Same tokens, and recorded."""
+    import specsplit.engines.draft
+    import specsplit.engines.target
+    from specsplit.bench.decoders import DECODERS, _plan, _worker_args, build_decoders, load_models
+    from specsplit.cli.common import check_engine_flags
+    from specsplit.cli.main import build_parser
 
     m = load_models(tiny=True, device="cpu")
-    decs, _ = build_decoders(m, ["specsplit-dynamic", "specsplit-target-only"], k=4, cuda_graphs=True)
-    try:
-        assert all(d.config.target.tuning.graph_rounds for d in decs)  # the default
-    finally:
-        for d in decs:
-            d.close()
-    decs, _ = build_decoders(m, ["specsplit-dynamic"], k=4, cuda_graphs=True, target_graph_rounds=False)
-    try:
-        assert not decs[0].config.target.tuning.graph_rounds  # the A/B's other arm
-    finally:
-        decs[0].close()
-    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--no-target-graph-rounds"]
+    names = ["specsplit-target-only", "specsplit-dynamic", "specsplit-dynamic-levels-compiled"]
+    for on in (True, False):
+        opts = BuildOptions(cuda_graphs=True, tuning=EngineTuning(graph_rounds=on))
+        decs, _ = build_decoders(m, names, opts)
+        try:
+            rounds = {
+                d.name: (d.config.draft.tuning.graph_rounds, d.config.target.tuning.graph_rounds)
+                for d in decs
+            }
+            assert rounds == {names[0]: (on, on), names[1]: (on, on), names[2]: (False, on)}
+        finally:
+            for d in decs:
+                d.close()
+        spec = DECODERS["specsplit-grpc-targetloop-dynamic"]
+        plan = _plan(m, spec, opts, sync=False)
+        flag = "--graph-rounds" if on else "--no-graph-rounds"
+        for role, tuning in (("draft", plan.draft_tuning), ("target", plan.target_tuning)):
+            args = _worker_args(m, plan, tuning)
+            assert flag in args, role
+            served = build_parser().parse_args(["serve", role, "--model", "x", *args])  # `serve` takes them
+            check_engine_flags(served)
+            assert served.graph_rounds is on and served.prefill_graphs is True, role
+    seen: list[tuple[str, bool]] = []
+    for module, cls in ((specsplit.engines.draft, "DraftEngine"), (specsplit.engines.target, "TargetEngine")):
+        engine = getattr(module, cls)
+
+        class Spy(engine):  # type: ignore[misc, valid-type]
+            def __init__(self, model: object, config: object, *a: object, _cls: str = cls, **kw: object):
+                seen.append((_cls, config.tuning.graph_rounds))  # type: ignore[attr-defined]
+                super().__init__(model, config, *a, **kw)
+
+        monkeypatch.setattr(module, cls, Spy)
+    argv = ["bench", "--suite", "smoke", "--device", "cpu", "--cuda-graphs", "--no-graph-rounds"]
     decoders = "hf-target,specsplit-dynamic,specsplit-grpc-targetloop-dynamic"
-    assert (
-        main([*argv, "--repeats", "1", "--decoders", decoders, "--tag", "rounds", "--out", str(tmp_path)])
-        == 0
-    )
+    argv += ["--repeats", "1", "--grpc-workers", "thread", "--decoders", decoders]
+    assert main([*argv, "--tag", "rounds", "--out", str(tmp_path)]) == 0
+    assert sorted(set(seen)) == [("DraftEngine", False), ("TargetEngine", False)]  # the gRPC workers' engines
     (path,) = tmp_path.glob("*-smoke-rounds.json")
     result = json.loads(path.read_text())
-    assert (
-        result["config"]["target_graph_rounds"] is False and "--no-target-graph-rounds" in result["command"]
-    )
+    cfg = result["config"]
+    assert cfg["graph_rounds"] is False and cfg["target_graph_rounds"] is False
+    assert cfg["engine_tuning"]["graph_rounds"] is False
+    assert "--no-graph-rounds" in result["command"] and "target-graph-rounds" not in result["command"]
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
 
@@ -352,9 +438,10 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     """The ``-compiled`` decoders run only when named, with graphs + torch.compile on both engines."""
     from specsplit.bench.decoders import OPTIONAL_DECODERS, build_decoders, load_models
 
-    assert not set(OPTIONAL_DECODERS) & set(DECODERS)  # never in a default run (compiling takes minutes)
+    assert not set(OPTIONAL_DECODERS) & set(DEFAULT_DECODERS)  # never in a default run (compiling is slow)
     m = load_models(tiny=True, device="cpu")
-    decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], k=4, prefill_graphs=False)
+    opts = BuildOptions(tuning=EngineTuning(prefill_graphs=False))
+    decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], opts)
     try:
         plain_prefill = {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need --cuda-graphs
         built = [n for n in OPTIONAL_DECODERS if n not in plain_prefill]
@@ -403,19 +490,22 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
 
 
 def test_grpc_decoder_runs_a_dynamic_tree_exactly() -> None:
-    """The gRPC decoder takes any tree shape (the bench's ``specsplit-grpc-dynamic-compiled`` runs
-    the dynamic tree over loopback workers) and stays exact; here eager, workers in-process."""
+    """The gRPC decoders take any tree shape (``specsplit-grpc-dynamic`` runs the dynamic tree over
+    loopback workers) and stay exact; here eager, workers in-process. A spec outside the table (the
+    overlapped row without torch.compile) builds the same way."""
+    import dataclasses
+
     import torch
 
-    from specsplit.bench.decoders import _grpc_decoder, load_models
-    from specsplit.config import TreeConfig
+    from specsplit.bench.decoders import DECODERS, build_decoder, load_models
 
     m = load_models(tiny=True, device="cpu")
-    tree = TreeConfig("dynamic", topk=2, width=2, budget=6, max_depth=3)
-    dec = _grpc_decoder(m, tree, sync=False, graphs=False, processes=False, name="specsplit-grpc-dynamic")
+    opts = BuildOptions(dynamic_tree=(2, 2, 6, 3), grpc_workers="thread")
+    dec = build_decoder(m, DECODERS["specsplit-grpc-dynamic"], opts)
     assert not isinstance(dec, str), dec
     try:
         assert dec.name == "specsplit-grpc-dynamic" and "dynamic tree (top-2, width 2, budget 6" in dec.label
+        assert "both workers in-process" in dec.label
         ids = torch.tensor([[3, 14, 15, 92, 65]])
         ref = m.target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
         out = dec.run(ids, 12)
@@ -424,17 +514,22 @@ def test_grpc_decoder_runs_a_dynamic_tree_exactly() -> None:
     finally:
         dec.close()
     m.use_overlap_device("cpu")  # the overlapped variant: its own draft copy, speculation on
-    dec = _grpc_decoder(m, tree, sync=False, graphs=False, processes=False, name="x", overlap=True)
+    label = "SpecSplit {tree} over gRPC, overlapped pipeline (draft worker on {draft_device}, target worker on {device})"
+    spec = dataclasses.replace(
+        DECODERS["specsplit-grpc-overlap-dynamic-compiled"], name="x", label=label, compile=False
+    )
+    dec = build_decoder(m, spec, opts)
     assert not isinstance(dec, str), dec
     try:
         assert "overlapped pipeline (draft worker on cpu" in dec.label and dec.config.overlap
+        assert not dec.shape_warmup and "torch.compile" not in dec.label
         out = dec.run(ids, 12)
         assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1
         assert out.split_s is not None and out.split_s["spec_rounds"] >= 1  # it did speculate
     finally:
         dec.close()
     # the rounds run by the target worker (it calls the draft worker itself): same tokens and rounds
-    dec = _grpc_decoder(m, tree, sync=False, graphs=False, processes=False, name="y", target_loop=True)
+    dec = build_decoder(m, DECODERS["specsplit-grpc-targetloop-dynamic"], opts)
     assert not isinstance(dec, str), dec
     try:
         assert dec.config.grpc_loop == "target" and not dec.config.overlap
@@ -486,13 +581,15 @@ def test_dynamic_tree_option_sets_the_dynamic_decoders(capsys: pytest.CaptureFix
     from specsplit.bench.decoders import build_decoders, load_models
 
     m = load_models(tiny=True, device="cpu")
-    decs, _ = build_decoders(m, ["specsplit-chain", "specsplit-dynamic"], k=3, dynamic_tree=(2, 3, 9, 5))
+    decs, _ = build_decoders(
+        m, ["specsplit-chain", "specsplit-dynamic"], BuildOptions(k=3, dynamic_tree=(2, 3, 9, 5))
+    )
     try:
         chain, dyn = decs
         t = dyn.config.tree
         assert (t.shape, t.topk, t.width, t.budget, t.max_depth) == ("dynamic", 2, 3, 9, 5)
         assert "top-2, width 3, budget 9, depth 5" in dyn.label
-        assert chain.config.tree.shape == "chain"
+        assert (chain.config.tree.shape, chain.config.tree.num_draft_tokens) == ("chain", 3)
     finally:
         for d in decs:
             d.close()
@@ -527,7 +624,7 @@ def test_fuse_projections_runs_fused_copies_for_specsplit_only(tmp_path: Path) -
 
         mlp.forward = counted
     names = ["hf-target", "specsplit-dynamic", "specsplit-grpc-targetloop-dynamic"]
-    decs, skipped = build_decoders(m, names, k=4, cuda_graphs=True, grpc_processes=False)
+    decs, skipped = build_decoders(m, names, BuildOptions(cuda_graphs=True, grpc_workers="thread"))
     ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
     try:
         assert [d.name for d in decs] == names and not skipped
@@ -550,3 +647,157 @@ def test_fuse_projections_runs_fused_copies_for_specsplit_only(tmp_path: Path) -
     assert result["config"]["fuse_projections"] is True and "--fuse-projections" in result["command"]
     for name, entry in result["summary"].items():
         assert entry["overall"]["exact_match_rate"] == 1.0, name
+
+
+# Every decoder name scripts and committed results use, in run order: the table must keep them all.
+_DEFAULT_NAMES = (
+    "hf-target", "hf-assisted", "hf-assisted-default", "hf-prompt-lookup", "specsplit-target-only",
+    "specsplit-chain", "specsplit-static", "specsplit-dynamic", "specsplit-overlap-chain",
+    "specsplit-overlap-dynamic", "specsplit-grpc",
+)  # fmt: skip
+_OPTIONAL_NAMES = (
+    "specsplit-target-only-compiled", "specsplit-dynamic-compiled", "specsplit-dynamic-levels-compiled",
+    "specsplit-overlap-dynamic-compiled", "specsplit-split-dynamic-compiled", "specsplit-grpc-dynamic-compiled",
+    "specsplit-grpc-overlap-dynamic-compiled", "specsplit-grpc-targetloop-dynamic-compiled",
+    "specsplit-grpc-targetloop-overlap-dynamic-compiled", "specsplit-grpc-dynamic",
+    "specsplit-grpc-targetloop-dynamic", "specsplit-grpc-dynamic-unary", "specsplit-grpc-targetloop-dynamic-unary",
+    "specsplit-grpc-targetloop-dynamic-noipc", "specsplit-target-only-prefill", "specsplit-dynamic-prefill",
+    "specsplit-target-only-prefill-compiled", "specsplit-dynamic-prefill-compiled",
+)  # fmt: skip
+
+
+def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> None:
+    """One row per decoder name, defaults first; a row's label says what its fields set."""
+    from specsplit.bench.decoder_specs import _TABLE, DECODERS, OPTIONAL_DECODERS
+
+    assert len(DECODERS) == len(_TABLE)  # no name twice
+    assert tuple(DECODERS) == _DEFAULT_NAMES + _OPTIONAL_NAMES
+    assert DEFAULT_DECODERS == _DEFAULT_NAMES and OPTIONAL_DECODERS == _OPTIONAL_NAMES
+    for name, spec in DECODERS.items():
+        assert spec.name == name and spec.drafter == "model"
+        assert (spec.kind == "hf") == name.startswith("hf-")
+        if spec.kind == "hf":
+            continue
+        label = spec.label
+        assert ("over gRPC" in label) == spec.grpc == name.startswith("specsplit-grpc"), name
+        assert (
+            ("run by the target worker" in label)
+            == (spec.transport == "grpc-target")
+            == ("-targetloop" in name)
+        )
+        assert ("overlapped pipeline" in label) == spec.overlap == ("-overlap-" in name), name
+        assert (spec.draft_placement == "overlap-device") == ("-overlap-" in name or "-split-" in name), name
+        assert ("fused by torch.compile" in label) == spec.compile == name.endswith("-compiled"), name
+        assert ("(prefill_graphs)" in label) == bool(spec.prefill_graphs) == ("-prefill" in name), name
+        assert (
+            ("one graph per tree level" in label) == (spec.draft_graph_rounds is False) == ("-levels" in name)
+        )
+        assert ("unary calls" in label) == (spec.grpc_streams is False) == name.endswith("-unary"), name
+        assert ("no tree slots" in label) == (not spec.tree_ipc) == name.endswith("-noipc"), name
+        assert ("without a draft" in label) == spec.target_only == ("target-only" in name), name
+        assert spec.tree == ("static" if "static" in name else "dynamic" if "dynamic" in name else "chain")
+
+
+def test_spec_fields_drive_the_built_config() -> None:
+    """Every local SpecSplit row builds the config its fields say, over the run's flags; e.g.
+    ``specsplit-dynamic-levels-compiled``: CUDA graphs and torch.compile on, the draft's graph rounds off."""
+    from specsplit.bench.decoders import DECODERS, build_decoders, load_models
+
+    m = load_models(tiny=True, device="cpu")
+    m.use_overlap_device("cpu")
+    local = [n for n, s in DECODERS.items() if s.kind == "specsplit" and not s.grpc]
+    decs, skipped = build_decoders(m, local, BuildOptions(k=3))
+    try:
+        assert set(skipped) == {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need graphs
+        for d in decs:
+            spec, cfg = DECODERS[d.name], d.config
+            assert cfg.draft.compile == cfg.target.compile == spec.compile, d.name
+            assert cfg.draft.cuda_graphs == cfg.target.cuda_graphs == spec.compile, d.name
+            assert d.shape_warmup == spec.compile, d.name
+            assert cfg.overlap == spec.overlap and cfg.tree.shape == spec.tree, d.name
+            assert cfg.target.tuning.graph_rounds, d.name
+            assert cfg.draft.tuning.graph_rounds == (spec.draft_graph_rounds is not False), d.name
+            assert cfg.target.tuning.prefill_graphs == spec.compile, d.name  # on with graphs (the default)
+        levels = next(d for d in decs if d.name == "specsplit-dynamic-levels-compiled").config
+        assert levels.draft.compile and levels.draft.cuda_graphs and not levels.draft.tuning.graph_rounds
+        assert levels.target.tuning.graph_rounds
+    finally:
+        for d in decs:
+            d.close()
+
+
+def test_decoder_spec_validates_its_fields_and_the_drafter_reaches_the_config() -> None:
+    """Misspelt fields fail when the table is built; a new drafter is one row: the spec's ``drafter``
+    reaches ``SpecSplitConfig.drafter`` (local decoders; over gRPC it is refused with a clear error)."""
+    import dataclasses
+
+    import torch
+
+    from specsplit.bench.decoders import DECODERS, DecoderSpec, build_decoder, load_models
+
+    with pytest.raises(ValueError, match="transport"):
+        DecoderSpec("x", "x", transport="grpc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="drafter"):
+        DecoderSpec("x", "x", drafter="markov")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hf_mode"):
+        DecoderSpec("hf-x", "x", kind="hf")
+    m = load_models(tiny=True, device="cpu")
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 14, 15, 92]])
+    ref: list[int] | None = None
+    for drafter, uses_model in (("ngram", False), ("suffix", False), ("hybrid", True), ("auto", True)):
+        spec = DecoderSpec(
+            f"specsplit-{drafter}", f"SpecSplit local, {drafter} drafter, {{tree}}", drafter=drafter
+        )
+        assert spec.uses_draft_model == uses_model and spec.needs_draft == (drafter == "hybrid")
+        dec = build_decoder(m, spec, BuildOptions())
+        assert not isinstance(dec, str), dec
+        try:
+            assert dec.config.drafter == drafter and f"{drafter} drafter, chain of K=4" in dec.label
+            ref = (
+                ref
+                or m.target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 10:].tolist()
+            )
+            out = dec.run(ids, 12)
+            assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) >= 1, drafter
+        finally:
+            dec.close()
+    grpc_ngram = dataclasses.replace(
+        DECODERS["specsplit-grpc-dynamic"], name="specsplit-grpc-ngram", drafter="ngram"
+    )
+    with pytest.raises(ValueError, match="drafter 'ngram' over gRPC is not built yet"):
+        build_decoder(m, grpc_ngram, BuildOptions(grpc_workers="thread"))
+
+
+def test_command_line_spells_the_shared_flag_names() -> None:
+    """The recorded command uses the names every command shares and parses back to the same run."""
+    import shlex
+
+    from specsplit.cli.bench import _command_line, _options
+    from specsplit.cli.main import build_parser
+
+    argv = ["bench", "--suite", "smoke", "--cuda-graphs", "--no-graph-rounds", "--no-prefill-graphs",
+            "--no-fold-gqa", "--attention-kernel", "math", "--q-top-k", "8", "--no-grpc-streams",
+            "--overlap-policy", "always", "--sync-timing", "--fuse-projections"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    line = _command_line(args, "cpu")
+    for flag in argv[3:]:
+        assert flag in shlex.split(line), flag
+    again = build_parser().parse_args(shlex.split(line)[1:])
+    assert vars(again) == vars(args) | {"device": "cpu", "dtype": "auto"}
+    opts = _options(args, "cpu")
+    assert (opts.tuning.graph_rounds, opts.tuning.prefill_graphs, opts.tuning.fold_gqa) == (
+        False,
+        False,
+        False,
+    )
+    assert (opts.tuning.attention_kernel, opts.tuning.q_top_k) == ("math", 8)
+    assert (opts.pipeline.grpc_streams, opts.pipeline.overlap_policy, opts.pipeline.sync_timing) == (
+        False,
+        "always",
+        True,
+    )
+    default = _options(build_parser().parse_args(["bench"]), "cpu")
+    assert default.tuning == EngineTuning() and default.build_options().tuning == EngineTuning()
+    assert "graph-rounds" not in _command_line(build_parser().parse_args(["bench"]), "cpu")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--no-target-graph-rounds"])  # renamed: --no-graph-rounds

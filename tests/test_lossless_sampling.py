@@ -123,7 +123,7 @@ def test_output_distribution_equals_target(pair, name):
 
 def test_negative_control_detects_a_lossy_verifier(pair, monkeypatch):
     """Accepting every drafted token (no rejection step) must fail the same statistical bound."""
-    import specsplit.engines.target as target_mod
+    import specsplit.engines.verifiers as target_mod
     from specsplit.core.verification import verify_greedy
 
     target, draft = pair
@@ -157,3 +157,82 @@ def test_seeded_sampling_is_reproducible(llama_target, llama_draft_random):
     assert a.spec_stats.accepted_counts() == b.spec_stats.accepted_counts()
     assert not torch.equal(a.sequences, c)
     assert torch.equal(d, e)
+
+
+def _context_probs(model, sampling: SamplingParams | None) -> dict[tuple[int, ...], torch.Tensor]:
+    """The model's next-token distribution (or raw logits) after the prompt and after every path of
+    one or two tokens: every context a depth-2 tree can reach."""
+    ctxs = [()] + [(a,) for a in range(V)] + [(a, b) for a in range(V) for b in range(V)]
+    with torch.no_grad():
+        out = {}
+        for c in ctxs:
+            logits = model(torch.tensor([PROMPT + list(c)])).logits[0, -1]
+            out[c] = logits_to_probs(logits, sampling) if sampling is not None else logits
+    return out
+
+
+def empirical_joint_ngram(target, draft, merged: bool, runs: int = RUNS) -> torch.Tensor:
+    """The same joint when each round verifies a deterministic n-gram tree (``q`` one-hot, siblings
+    that branch) — alone, or merged behind a sampled model tree (:func:`merge_trees`).
+
+    The engines' forwards are exact (tested elsewhere) and deterministic given a tree, so the rounds
+    here run the tree algorithms themselves: the model tree grows by :func:`grow_static_tree` from
+    the draft's logits, and the target's acceptance (:func:`~specsplit.engines.verifiers.decide`,
+    as the engine calls it) gets the target's logits at every node's own context — 20,000 rounds in
+    seconds instead of minutes. A deterministic tree goes through position-keyed draws, a tree
+    with a sampled part through recursive rejection sampling.
+    """
+    from specsplit.core.growth import PlanTensors, grow_static_tree
+    from specsplit.core.ngram import Proposal
+    from specsplit.engines.drafters import merge_trees, proposal_tree
+    from specsplit.engines.verifiers import decide
+
+    # Three roots, two with children, one child a duplicate of another's token: a branching tree of
+    # the kind prompt lookup proposes (ranked by frequency), padded to 8 nodes.
+    prop = Proposal(
+        [2, 5, 1, 4, 6, 2], [-1, -1, -1, 0, 0, 1], [1, 1, 1, 2, 2, 2], [0.5, 0.3, 0.2, 0.3, 0.2, 0.1]
+    )
+    extra, _ = proposal_tree(prop, 8, depth_bound=2, fixed_bounds=False)
+    p = _context_probs(target, SAMPLING)
+    p_logits = _context_probs(target, None)
+    q_logits = _context_probs(draft, None)
+    plan = TREES["tree"].static_plan()
+    pt = PlanTensors.build(plan, torch.device("cpu"))
+    counts = torch.zeros(V, V)
+    g = torch.Generator().manual_seed(4321)
+    for _ in range(runs):
+        tree = extra
+        if merged:
+            tree = merge_trees(
+                grow_static_tree(q_logits[()], plan, pt, SAMPLING, V, g,
+                                 lambda d, tok, allowed: torch.stack([q_logits[(int(t),)] for t in tok])),
+                extra,
+            )  # fmt: skip
+        par, tok = tree.parents.tolist(), tree.token_ids.tolist()
+        paths: list[tuple[int, ...]] = []
+        for i, pa in enumerate(par):
+            paths.append((paths[pa] if pa >= 0 else ()) + (tok[i],))
+        logits = torch.stack([p_logits[()]] + [p_logits[c] for c in paths])  # [N + 1, V]
+        branch, depth = tree.bounds()
+        seed = int(torch.randint(0, 2**62, (1,), generator=g))
+        out = decide(logits, tree, SAMPLING, seed, len(PROMPT), depth, branch)
+        nodes, toks, nxt = out.to_host(tree.token_ids)
+        toks = toks + [nxt]
+        if len(toks) < 2:
+            toks.append(int(torch.multinomial(p[(toks[0],)], 1, generator=g)))
+        counts[toks[0], toks[1]] += 1
+    return counts / runs
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["ngram-tree", "model-tree-merged-with-ngram"])
+def test_output_distribution_equals_target_with_ngram_trees(pair, merged):
+    target, draft = pair
+    exact = exact_joint(target)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny ops: a thread pool only adds its hand-offs
+    try:
+        emp = empirical_joint_ngram(target, draft, merged)
+    finally:
+        torch.set_num_threads(threads)
+    assert tv(emp, exact) < 0.04, f"TV={tv(emp, exact):.4f}"
+    assert tv(emp.sum(1), exact.sum(1)) < 0.02

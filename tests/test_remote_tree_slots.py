@@ -27,6 +27,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DYNAMIC = TreeConfig(shape="dynamic", budget=16, max_depth=4, topk=4, width=4)
 
 
+def in_slot(res: object) -> object:
+    """The tree slot a draft result names (a plain ``DraftResult`` names none)."""
+    return getattr(res, "tree_in_slot", None)
+
+
 def _rows(tok: list[int], par: list[int], dep: list[int]) -> torch.Tensor:
     return torch.tensor([tok, par, dep], dtype=torch.long)
 
@@ -64,7 +69,7 @@ def test_draft_response_carries_either_the_tree_or_its_slot():
     assert back.tree_in_slot == ref and back.tree.num_nodes == 0 and back.prefix_length == 17
     tree = TokenTree(torch.tensor([4, 5]), torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.zeros(2))
     plain = convert.draft_result_from_proto(convert.draft_result_to_proto(DraftResult(tree, 9)))
-    assert plain.tree_in_slot is None and plain.tree.token_ids.tolist() == [4, 5]
+    assert in_slot(plain) is None and plain.tree.token_ids.tolist() == [4, 5]
     m.tree.token_ids.append(1)
     with pytest.raises(Exception, match="both a tree and a tree slot"):
         convert.draft_result_from_proto(m)
@@ -85,7 +90,7 @@ def test_cpu_draft_worker_refuses_slots_and_sends_trees(engines):
         resp = client.share_tree_slots(tree_slots.host_id(), 4)
         assert not resp.available and "cpu" in resp.reason
         res = client.draft(DraftRequest("s1", [3, 4, 5, 6], 0, DYNAMIC, tree_channel="unknown", tree_slot=0))
-        assert res.tree_in_slot is None and res.tree.num_nodes > 0
+        assert in_slot(res) is None and res.tree.num_nodes > 0
     exporter = tree_slots.TreeSlotExporter(torch.device("cuda", 0), 64)  # never touches CUDA when refusing
     assert "another host" in exporter.share(pb.ShareTreeSlotsRequest(host_id="elsewhere/1", slots=2)).reason
 
@@ -149,11 +154,13 @@ class _FakeDraft:
         return pb.ShareTreeSlotsResponse(available=True, channel_id=f"ch{self.shares}", slots=2, slot_nodes=8)
 
     def draft(self, req: DraftRequest) -> DraftResult:
-        self.requests.append((req.session_id, req.tree_channel, req.tree_slot))
-        if req.tree_channel and self.answer_in_slot:
-            return DraftResult(
-                TokenTree.empty(), 4, tree_in_slot=TreeSlotRef(req.tree_channel, req.tree_slot, 3, 2, 2)
-            )
+        channel, slot = (
+            getattr(req, "tree_channel", ""),
+            getattr(req, "tree_slot", 0),
+        )  # a plain request: none
+        self.requests.append((req.session_id, channel, slot))
+        if channel and self.answer_in_slot:
+            return DraftResult(TokenTree.empty(), 4, tree_in_slot=TreeSlotRef(channel, slot, 3, 2, 2))
         return DraftResult(
             TokenTree(torch.tensor([1]), torch.tensor([-1]), torch.tensor([1]), torch.zeros(1)), 4
         )
@@ -198,10 +205,10 @@ def test_target_loop_gives_each_generation_a_slot_and_takes_it_back(monkeypatch)
     assert draft.shares == 1  # asked once
     (_, ch, sa), (_, _, sb), (_, _, sa2) = draft.requests
     assert ch == "ch1" and sa != sb and sa == sa2
-    assert a.tree.token_ids.tolist() == [2, 3, 4] and b.tree.num_nodes == 3 and a2.tree_in_slot is not None
+    assert a.tree.token_ids.tolist() == [2, 3, 4] and b.tree.num_nodes == 3 and in_slot(a2) is not None
     assert len(loop._slots.reads) == 3  # type: ignore[union-attr]
     c = loop.draft(DraftRequest("c", [1], 0, DYNAMIC))  # both slots taken: the tree comes in the reply
-    assert draft.requests[-1][1] == "" and c.tree_in_slot is None and c.tree.num_nodes == 1
+    assert draft.requests[-1][1] == "" and in_slot(c) is None and c.tree.num_nodes == 1
     loop.end_session("a")
     loop.draft(DraftRequest("c", [], 4, DYNAMIC))
     assert draft.requests[-1][1:] == ("ch1", sa)  # a's slot went to c

@@ -22,14 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from specsplit.config import DRAFTERS, Drafter
+
 Kind = Literal["hf", "specsplit"]
 HfMode = Literal["generate", "assisted", "assisted-default", "prompt-lookup"]
 TreeKey = Literal["chain", "static", "dynamic"]
 Transport = Literal["local", "grpc-client", "grpc-target"]
 Workers = Literal["process", "thread"]
 Placement = Literal["same", "overlap-device"]
-DRAFTERS = ("model", "ngram", "suffix", "hybrid", "auto")
-RUNNABLE_DRAFTERS = ("model",)  # the others wait for a drafter option in SpecSplitConfig
 
 _CHOICES: dict[str, tuple[object, ...]] = {
     "kind": ("hf", "specsplit"),
@@ -57,8 +57,10 @@ class DecoderSpec:
         tree: which of the run's trees: the chain of K, the default static tree, or the dynamic
             tree (``--dynamic-tree``).
         target_only: no drafting at all (our own target-only decode).
-        drafter: where the draft tokens come from: ``"model"`` (the draft model); ``"ngram"``,
-            ``"suffix"``, ``"hybrid"`` and ``"auto"`` are named here but not built yet.
+        drafter: what proposes each round's tree (``SpecSplitConfig.drafter``): ``"model"``,
+            ``"ngram"``, ``"suffix"``, ``"hybrid"`` or ``"auto"``. Other than ``"model"``: local
+            decoders only, for now (the bench's gRPC decoders start a draft-model worker, and a
+            target worker that runs the rounds drafts with the model).
         overlap: draft round N+1 while round N verifies (``SpecSplitConfig.overlap``).
         transport: ``"local"`` (engines in this process), ``"grpc-client"`` (gRPC workers, this
             process calls both every round) or ``"grpc-target"`` (the target worker runs the rounds,
@@ -84,7 +86,7 @@ class DecoderSpec:
     hf_mode: HfMode | None = None
     tree: TreeKey = "chain"
     target_only: bool = False
-    drafter: str = "model"
+    drafter: Drafter = "model"
     overlap: bool = False
     transport: Transport = "local"
     workers: Workers | None = None
@@ -110,11 +112,16 @@ class DecoderSpec:
         return self.transport != "local"
 
     @property
-    def needs_draft(self) -> bool:
-        """Needs the draft model (skipped in a run without one)."""
+    def uses_draft_model(self) -> bool:
+        """Runs the draft model when there is one (``"auto"`` may also run without)."""
         if self.kind == "hf":
             return self.hf_mode in ("assisted", "assisted-default")
-        return not self.target_only and self.drafter in ("model", "hybrid")
+        return not self.target_only and self.drafter in ("model", "hybrid", "auto")
+
+    @property
+    def needs_draft(self) -> bool:
+        """Cannot run without the draft model (skipped in a run without one)."""
+        return self.uses_draft_model and self.drafter != "auto"
 
 
 _TARGET_ONLY = "SpecSplit engine without a draft (our target-only decode)"
@@ -127,9 +134,13 @@ _COMPILED = "CUDA graphs fused by torch.compile"
 _PREFILL = "prompts padded to CUDA-graph buckets (prefill_graphs)"
 _UNARY = "unary calls instead of streams"
 _NO_IPC = "trees in the draft worker's replies (no tree slots)"
+_NGRAM = "SpecSplit local, n-gram trees from the prompt and output (no draft model)"
+_SUFFIX = "SpecSplit local, n-gram trees from the prompt, output and earlier generations (no draft model)"
+_HYBRID = "SpecSplit local, {tree} with n-gram nodes merged in"
+_AUTO = "SpecSplit local, the cost model's choice each round (none, n-gram, {tree} or both)"
 
 # In run order: results list decoders in this order. The default set first, then the optional ones:
-# compiled twins (compiling takes minutes, on CPU too) and the A/B pairs of single switches.
+# compiled twins (compiling is slow, on CPU too) and the A/B pairs of single switches.
 _TABLE = (
     DecoderSpec("hf-target", "HF generate(), target only, greedy (baseline a)",
                 kind="hf", hf_mode="generate", default=True),
@@ -185,6 +196,19 @@ _TABLE = (
                 target_only=True, prefill_graphs=True, compile=True),
     DecoderSpec("specsplit-dynamic-prefill-compiled", f"{_LOCAL}, {_PREFILL}, {_COMPILED}", tree="dynamic",
                 prefill_graphs=True, compile=True),
+    # Drafters beside the model (SpecSplitConfig.drafter): n-gram lookup in the prompt and output,
+    # plus earlier generations (suffix; the bench clears that cache before every call, so a prompt
+    # never drafts from its own earlier runs), n-gram nodes merged into the model's dynamic tree
+    # (hybrid), and the cost model's choice each round (auto).
+    DecoderSpec("specsplit-ngram", _NGRAM, drafter="ngram"),
+    DecoderSpec("specsplit-ngram-compiled", f"{_NGRAM}, {_COMPILED}", drafter="ngram", compile=True),
+    DecoderSpec("specsplit-suffix", _SUFFIX, drafter="suffix"),
+    DecoderSpec("specsplit-suffix-compiled", f"{_SUFFIX}, {_COMPILED}", drafter="suffix", compile=True),
+    DecoderSpec("specsplit-hybrid", _HYBRID, tree="dynamic", drafter="hybrid"),
+    DecoderSpec("specsplit-hybrid-compiled", f"{_HYBRID}, {_COMPILED}", tree="dynamic", drafter="hybrid",
+                compile=True),
+    DecoderSpec("specsplit-auto", _AUTO, tree="dynamic", drafter="auto"),
+    DecoderSpec("specsplit-auto-compiled", f"{_AUTO}, {_COMPILED}", tree="dynamic", drafter="auto", compile=True),
 )  # fmt: skip
 
 DECODERS: dict[str, DecoderSpec] = {spec.name: spec for spec in _TABLE}

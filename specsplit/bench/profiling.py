@@ -95,7 +95,7 @@ _HOST_POINTS = (
     *_PHASES,
     # ``_static``, not the ``static`` property: looking must not build a workspace
     ("transport.draft_engine._workspace._static", "run", "draft.static_run"),
-    ("transport.target_engine", "_verify_locked", "verify.locked"),
+    ("transport.target_engine._verifier", "verify", "verify.locked"),
     ("transport.target_engine._workspace._static", "run", "verify.static_run"),
 )
 

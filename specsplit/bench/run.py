@@ -1,9 +1,10 @@
 """``specsplit bench``: Hugging Face baselines and SpecSplit decoders on the same prompts, in one process.
 
-Every decoder (listed in :mod:`specsplit.bench.decoders`: HF ``generate()``, HF assisted generation,
-HF prompt lookup, SpecSplit target-only / chain / static tree / dynamic tree, SpecSplit over gRPC)
-gets the same prompts (chat template applied), the same greedy ``GenerationConfig`` (``do_sample=False``,
-``max_new_tokens``, EOS and pad ids) and the same loaded model objects.
+Every decoder (a row of :data:`specsplit.bench.decoder_specs.DECODERS`: HF ``generate()``, HF
+assisted generation, HF prompt lookup, SpecSplit target-only / chain / static tree / dynamic tree,
+SpecSplit over gRPC, ...) gets the same prompts (chat template applied), the same greedy
+``GenerationConfig`` (``do_sample=False``, ``max_new_tokens``, EOS and pad ids) and the same loaded
+model objects.
 
 The loop is repeat -> prompt -> decoder, so slow drifts of a shared machine hit every decoder alike;
 each decoder is warmed up once before timing (one that captures CUDA graphs or compiles: on every
@@ -17,24 +18,26 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specsplit.bench.decoder_specs import Workers
 from specsplit.bench.decoders import (
-    ALL_DECODERS,
     ASSISTED,
     BASELINE,
     DECODERS,
+    DEFAULT_DECODERS,
     PROMPT_LOOKUP_TOKENS,
+    BuildOptions,
     DecodeOutput,
     Decoder,
     build_decoders,
-    load_models,
 )
+from specsplit.bench.models import load_models
 from specsplit.bench.report import (
     RunRecord,
     first_difference,
@@ -46,11 +49,13 @@ from specsplit.bench.report import (
     write_plot,
 )
 from specsplit.bench.roofline import copy_bandwidth, weight_read_bound
+from specsplit.config import EngineTuning, PipelineTuning
 
 logger = logging.getLogger(__name__)
 
 SCHEMA = "specsplit-bench/1"
-CATEGORIES = ("chat", "code", "translation", "summarization", "qa", "math")
+# The categories of benchmarks/prompts, in report order; prompt files may add any others (sorted after).
+CATEGORIES = ("chat", "code", "code-editing", "translation", "summarization", "qa", "math")
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts"
 _ROLES = ("system", "user", "assistant")
 
@@ -104,12 +109,14 @@ class BenchOptions:
     max_new_tokens: int | None = None
     repeats: int | None = None
     prompts_per_category: int | None = None
-    decoders: tuple[str, ...] = DECODERS
+    decoders: tuple[str, ...] = DEFAULT_DECODERS
     num_draft_tokens: int = 4
     threads: int | None = None
-    cuda_graphs: bool = False
-    compile: bool = False  # SpecSplit engines fuse their static-path forwards with torch.compile
-    grpc_workers: str = "process"  # specsplit-grpc workers: "process" (separate serve processes) or "thread"
+    cuda_graphs: bool = False  # SpecSplit engines replay their fixed-shape steps from CUDA graphs
+    compile: bool = False  # SpecSplit engines fuse those steps with torch.compile
+    tuning: EngineTuning = field(default_factory=EngineTuning)  # every SpecSplit engine's A/B switches
+    pipeline: PipelineTuning = field(default_factory=PipelineTuning)  # the round loop's A/B switches
+    grpc_workers: Workers = "process"  # gRPC workers: separate `specsplit serve` processes or "thread"
     prompts_dir: Path = DEFAULT_PROMPTS
     out: Path = Path("benchmarks/results")
     tag: str = ""
@@ -118,13 +125,16 @@ class BenchOptions:
     tie_analysis: bool | None = None  # None: when the dtype is not float32 and an output differs
     baseline_repeats: int | None = None  # HF decoders time only this many repeats (None: all)
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
-    sync_timing: bool = False  # exact GPU draft/verify split, at some cost in speed
-    target_graph_rounds: bool = True  # every SpecSplit target verifies a greedy round in one graph
-    prefill_graphs: bool = True  # every SpecSplit engine pads its prompts to graph-replayed buckets
     fuse_projections: bool = False  # SpecSplit decoders run fused-projection copies of the models
-    dynamic_tree: tuple[int, int, int, int] | None = (
-        None  # (topk, width, budget, depth) of the dynamic decoders
-    )
+    dynamic_tree: tuple[int, int, int, int] | None = None  # (topk, width, budget, depth) of dynamic trees
+
+    def build_options(self) -> BuildOptions:
+        """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
+        return BuildOptions(
+            k=self.num_draft_tokens, cuda_graphs=self.cuda_graphs, compile=self.compile,
+            tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
+            dynamic_tree=self.dynamic_tree,
+        )  # fmt: skip
 
 
 def _dynamic_tree(text: str | None) -> tuple[int, int, int, int] | None:
@@ -141,15 +151,24 @@ def _dynamic_tree(text: str | None) -> tuple[int, int, int, int] | None:
 # --------------------------------------------------------------------------------------------- prompts
 
 
+def order_categories(names: Iterable[str]) -> list[str]:
+    """Distinct category names in report order: :data:`CATEGORIES` first, then the others sorted."""
+    distinct = set(names)
+    return [c for c in CATEGORIES if c in distinct] + sorted(distinct - set(CATEGORIES))
+
+
 def load_prompts(directory: Path, per_category: int | None = None) -> list[BenchPrompt]:
     """Read every ``*.jsonl`` in ``directory`` (one ``{id, category, messages}`` object a line).
 
+    Any category name is accepted, so users can bench their own workloads beside the shipped ones.
+
     Returns:
-        Prompts ordered by :data:`CATEGORIES`, then by id; only the first ``per_category`` of each
-        category when given.
+        Prompts ordered by :func:`order_categories`, then by id; only the first ``per_category`` of
+        each category when given.
 
     Raises:
-        ValueError: a malformed entry, an unknown category or role, or a duplicate id.
+        ValueError: a malformed entry (a category that is not a plain one-line name, an unknown
+            role), or a duplicate id.
     """
     files = sorted(Path(directory).glob("*.jsonl"))
     if not files:
@@ -163,8 +182,11 @@ def load_prompts(directory: Path, per_category: int | None = None) -> list[Bench
             rec = json.loads(line)
             if not {"id", "category", "messages"} <= set(rec):
                 raise ValueError(f"{where}: needs id, category and messages")
-            if rec["category"] not in CATEGORIES:
-                raise ValueError(f"{where}: category {rec['category']!r} is not one of {CATEGORIES}")
+            if not _category_name(rec["category"]):
+                raise ValueError(
+                    f"{where}: category {rec['category']!r} must be a non-empty name on one line, without "
+                    "'|' (it heads a Markdown column) or surrounding spaces"
+                )
             msgs = rec["messages"]
             if not msgs or any(m.get("role") not in _ROLES or not m.get("content") for m in msgs):
                 raise ValueError(f"{where}: messages must be non-empty {{role, content}} with roles {_ROLES}")
@@ -174,10 +196,14 @@ def load_prompts(directory: Path, per_category: int | None = None) -> list[Bench
                 raise ValueError(f"{where}: duplicate id {rec['id']!r}")
             seen[rec["id"]] = BenchPrompt(rec["id"], rec["category"], msgs)
     out: list[BenchPrompt] = []
-    for cat in CATEGORIES:
+    for cat in order_categories(p.category for p in seen.values()):
         group = sorted((p for p in seen.values() if p.category == cat), key=lambda p: p.id)
         out += group[:per_category] if per_category is not None else group
     return out
+
+
+def _category_name(value: object) -> bool:
+    return isinstance(value, str) and value == value.strip() != "" and not any(c in value for c in "|\n\r")
 
 
 def tokenize_prompts(prompts: list[BenchPrompt], tokenizer: Any) -> None:
@@ -277,9 +303,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     suite = SUITES[opts.suite]
     max_new = opts.max_new_tokens or suite.max_new_tokens
     repeats = opts.repeats or suite.repeats
-    unknown = set(opts.decoders) - set(ALL_DECODERS)
+    unknown = set(opts.decoders) - set(DECODERS)
     if unknown:
-        raise ValueError(f"unknown decoders {sorted(unknown)}; choose from {', '.join(ALL_DECODERS)}")
+        raise ValueError(f"unknown decoders {sorted(unknown)}; choose from {', '.join(DECODERS)}")
     old_threads = torch.get_num_threads()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -327,18 +353,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
     bound = _weight_read_bound(models.target, models.device)  # before any graph holds memory
-    decoders, skipped = build_decoders(
-        models,
-        opts.decoders,
-        opts.num_draft_tokens,
-        opts.cuda_graphs,
-        opts.sync_timing,
-        opts.compile,
-        opts.grpc_workers == "process",
-        opts.dynamic_tree,
-        opts.target_graph_rounds,
-        opts.prefill_graphs,
-    )
+    decoders, skipped = build_decoders(models, opts.decoders, opts.build_options())
     logger.info(
         "%d prompts x %d decoders x %d repeats, %d new tokens", len(prompts), len(decoders), repeats, max_new
     )
@@ -349,7 +364,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         for dec in decoders:
             dec.close()
     names = [d.name for d in decoders]
-    categories = [c for c in CATEGORIES if any(p.category == c for p in prompts)]
+    categories = order_categories(p.category for p in prompts)
     info = machine_info(devices)
     info["slug"] = machine_slug(info)
     notes = list(opts.notes)
@@ -376,9 +391,12 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "repeats": repeats,
             "baseline_repeats": min(repeats, opts.baseline_repeats or repeats),
             "overlap_draft_device": models.overlap_draft_device,
-            "sync_timing": opts.sync_timing,
-            "target_graph_rounds": opts.target_graph_rounds,
-            "prefill_graphs": opts.prefill_graphs,
+            "sync_timing": opts.pipeline.sync_timing,
+            "graph_rounds": opts.tuning.graph_rounds,
+            "target_graph_rounds": opts.tuning.graph_rounds,  # its name in results written before
+            "prefill_graphs": opts.tuning.prefill_graphs,
+            "engine_tuning": asdict(opts.tuning),
+            "pipeline_tuning": asdict(opts.pipeline),
             "fuse_projections": opts.fuse_projections,
             "weight_read_bound": bound,
             "num_draft_tokens": opts.num_draft_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shlex
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specsplit.bench.decoders import DECODERS, OPTIONAL_DECODERS
+from specsplit.bench.decoders import DEFAULT_DECODERS, OPTIONAL_DECODERS
 from specsplit.bench.report import write_plot
 from specsplit.bench.run import (
     DEFAULT_PROMPTS,
@@ -22,17 +23,29 @@ from specsplit.bench.run import (
     _markdown,
     run_bench,
 )
+from specsplit.cli.common import add_engine_flags, add_tuning_flags, check_engine_flags, engine_overrides
+
+_DESCRIPTION = (
+    "The engine and tuning options (--cuda-graphs, --compile, --fuse-projections, --graph-rounds, ...) "
+    "set every SpecSplit decoder, local engines and gRPC workers, draft and target alike; the Hugging "
+    "Face baselines (hf-*) run the loaded models as transformers does. A decoder's own switches "
+    "(the -compiled, -prefill, -levels, -unary, ... rows of specsplit.bench.decoder_specs) override them."
+)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """Register ``specsplit bench`` on the top-level sub-parsers."""
-    p = sub.add_parser("bench", help="benchmark SpecSplit against Hugging Face baselines on the same prompts")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark SpecSplit against Hugging Face baselines on the same prompts",
+        description=_DESCRIPTION,
+    )
     p.add_argument(
         "--suite",
         choices=sorted(SUITES),
         default="quick",
-        help="smoke: tiny random models, <1 min; quick: Qwen pair, 1 prompt per category, 32 tokens; "
-        "full: all prompts, 128 tokens, 3 repeats",
+        help="smoke: tiny random models on two random prompts (checks every decoder, on CPU too); quick: "
+        "Qwen pair, 1 prompt per category, 32 tokens; full: all prompts, 128 tokens, 3 repeats",
     )
     p.add_argument("--device", default=None, help="target device (default cuda:0 if available, else cpu)")
     p.add_argument("--draft-device", default=None, help="draft device (default: --device)")
@@ -40,11 +53,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--draft", default=None, help="draft alias or directory, or self:N (first N target layers)"
     )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: bfloat16 on CUDA, float32 on CPU",
+    add_engine_flags(p)
+    _set_help(
+        p,
+        "fuse_projections",
+        "SpecSplit decoders, local or a gRPC worker, run copies of the models with q/k/v and gate/up "
+        "fused into one GEMM each (specsplit.runtime.fused); the HF decoders keep the originals. Costs "
+        "one more copy of each model",
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the suite's token count")
     p.add_argument("--repeats", type=int, default=None, help="override the suite's timed repeats")
@@ -58,44 +73,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--grpc-workers",
         choices=["process", "thread"],
         default="process",
-        help="specsplit-grpc: workers as separate `specsplit serve` processes (default; real models) or "
+        help="gRPC decoders: workers as separate `specsplit serve` processes (default; real models) or "
         "as servers inside the bench process (they then share its GIL)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="SpecSplit engines fuse their static-path forwards with torch.compile (experimental; "
-        "compiles on first use)",
-    )
-    p.add_argument(
-        "--sync-timing",
-        action="store_true",
-        help="synchronise the GPU after each draft so the draft/verify split is exact (slower); "
-        "without it the split is host-side wall time and the GPU work of a phase may spill into the next",
-    )
-    p.add_argument(
-        "--target-graph-rounds",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every SpecSplit target (local, and the gRPC target workers) verifies a greedy round in one "
-        "CUDA graph (TargetConfig.graph_rounds, the default; --no-target-graph-rounds for the A/B: the "
-        "forward alone in a graph, `specsplit serve --no-graph-rounds`)",
-    )
-    p.add_argument(
-        "--prefill-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every SpecSplit engine with CUDA graphs, local or a gRPC worker, runs a prompt's forward "
-        "padded to a bucket and replayed from one CUDA graph per bucket (DraftConfig/TargetConfig."
-        "prefill_graphs, the default; --no-prefill-graphs for the A/B: eager prompt forwards, "
-        "`specsplit serve --no-prefill-graphs`, except the -prefill decoders')",
-    )
-    p.add_argument(
-        "--fuse-projections",
-        action="store_true",
-        help="every SpecSplit decoder, local or a gRPC worker, runs copies of the models with q/k/v and "
-        "gate/up fused into one GEMM each (specsplit.runtime.fused, `specsplit serve --fuse-projections`); the HF "
-        "decoders keep the originals. Costs one more copy of each model",
     )
     p.add_argument(
         "--overlap-draft-device",
@@ -105,9 +84,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-per-category", type=int, default=None, help="override the suite's prompt count")
     p.add_argument(
         "--decoders",
-        default=",".join(DECODERS),
-        help=f"comma-separated subset of {','.join(DECODERS)} (the default), plus the optional "
-        f"{','.join(OPTIONAL_DECODERS)} (CUDA graphs fused by torch.compile, beside the plain ones)",
+        default=",".join(DEFAULT_DECODERS),
+        help=f"comma-separated subset of {','.join(DEFAULT_DECODERS)} (the default), plus the optional "
+        f"{','.join(OPTIONAL_DECODERS)} (see specsplit.bench.decoder_specs)",
     )
     p.add_argument(
         "--num-draft-tokens", type=int, default=4, help="K for hf-assisted and the SpecSplit chain"
@@ -118,13 +97,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         metavar="TOPK,WIDTH,BUDGET,DEPTH",
         help="shape of the dynamic-tree decoders (default: TreeConfig's, 4,4,24,6)",
     )
-    p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="SpecSplit engines replay fixed-shape steps from CUDA graphs",
-    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="directory of *.jsonl prompt files")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=DEFAULT_PROMPTS,
+        help="directory of *.jsonl prompt files (any category names; the report has a column for each)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="results directory")
     p.add_argument("--tag", default="", help="suffix for the result file names")
     p.add_argument("--note", action="append", default=[], help="a note stored with the results (repeatable)")
@@ -141,7 +120,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="run nothing: rewrite the .md and .png next to an existing results .json",
     )
+    add_tuning_flags(p, pipeline=True)
+    _set_help(
+        p,
+        "sync_timing",
+        "synchronise the GPU around each phase so the draft/verify split is exact (slower); without it "
+        "the split is host-side wall time and the GPU work of a phase may spill into the next",
+    )
     p.set_defaults(func=_cmd_bench)
+
+
+def _set_help(p: argparse.ArgumentParser, dest: str, text: str) -> None:
+    """Say what a shared flag means in the bench (the SpecSplit decoders only, not the baselines)."""
+    (action,) = (a for a in p._actions if a.dest == dest)
+    action.help = text
 
 
 def _rerender(path: Path) -> int:
@@ -156,6 +148,20 @@ def _rerender(path: Path) -> int:
     if write_plot(result, png):
         print(f"wrote png: {png}")
     return 0
+
+
+def _tuning_flags(args: argparse.Namespace) -> list[str]:
+    """The tuning options given, spelled as ``add_tuning_flags`` names them."""
+    parts: list[str] = []
+    for name in ("graph_rounds", "prefill_graphs", "fold_gqa", "grpc_streams"):
+        value = getattr(args, name)
+        if value is not None:
+            parts.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+    for name in ("attention_kernel", "graph_capacity", "q_top_k", "overlap_policy"):
+        value = getattr(args, name)
+        if value is not None:
+            parts += [f"--{name.replace('_', '-')}", str(value)]
+    return parts + (["--sync-timing"] if args.sync_timing else [])
 
 
 def _command_line(args: argparse.Namespace, device: str) -> str:
@@ -175,7 +181,7 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         val = getattr(args, opt)
         if val not in (None, ""):
             parts += [f"--{opt.replace('_', '-')}", str(val)]
-    parts += ["--dtype", args.dtype, "--num-draft-tokens", str(args.num_draft_tokens)]
+    parts += ["--dtype", args.dtype or "auto", "--num-draft-tokens", str(args.num_draft_tokens)]
     if args.dynamic_tree:
         parts += ["--dynamic-tree", args.dynamic_tree]
     if args.threads:
@@ -185,14 +191,9 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     if args.compile:
         parts.append("--compile")
     parts += ["--grpc-workers", args.grpc_workers]
-    if args.sync_timing:
-        parts.append("--sync-timing")
-    if not args.target_graph_rounds:
-        parts.append("--no-target-graph-rounds")
-    if not args.prefill_graphs:
-        parts.append("--no-prefill-graphs")
     if args.fuse_projections:
         parts.append("--fuse-projections")
+    parts += _tuning_flags(args)
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
     parts += ["--decoders", args.decoders, "--out", str(args.out)]
@@ -201,19 +202,22 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     return shlex.join(parts)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if getattr(args, "verbose", 0) == 0:  # long runs: show progress
-        logging.getLogger("specsplit.bench").setLevel(logging.INFO)
-    if args.from_json is not None:
-        return _rerender(args.from_json)
-    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    opts = BenchOptions(
+def _options(args: argparse.Namespace, device: str) -> BenchOptions:
+    """:class:`BenchOptions` from the parsed flags (the tuning ones on top of the configs' defaults)."""
+    from specsplit.config import EngineTuning, PipelineTuning
+
+    pipeline = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(PipelineTuning)
+        if getattr(args, f.name, None) is not None
+    }
+    return BenchOptions(
         suite=args.suite,
         device=device,
         draft_device=args.draft_device,
         target=args.target,
         draft=args.draft,
-        dtype=args.dtype,
+        dtype=args.dtype or "auto",
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         prompts_per_category=args.prompts_per_category,
@@ -222,6 +226,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         cuda_graphs=args.cuda_graphs,
         compile=args.compile,
+        tuning=EngineTuning(**engine_overrides(args).get("tuning", {})),
+        pipeline=PipelineTuning(**pipeline),
         grpc_workers=args.grpc_workers,
         prompts_dir=args.prompts,
         out=args.out,
@@ -231,11 +237,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tie_analysis=args.tie_analysis,
         baseline_repeats=args.baseline_repeats,
         overlap_draft_device=args.overlap_draft_device,
-        sync_timing=args.sync_timing,
-        target_graph_rounds=args.target_graph_rounds,
-        prefill_graphs=args.prefill_graphs,
         fuse_projections=args.fuse_projections,
     )
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "verbose", 0) == 0:  # long runs: show progress
+        logging.getLogger("specsplit.bench").setLevel(logging.INFO)
+    if args.from_json is not None:
+        return _rerender(args.from_json)
+    check_engine_flags(args)
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    opts = _options(args, device)
     try:
         opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)
     except ValueError as e:

@@ -58,6 +58,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
+    if args.drafter:
+        cfg.drafter = args.drafter
     if args.tree:
         cfg.tree.shape = args.tree
     if args.num_draft_tokens is not None:
@@ -74,7 +76,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.overlap:
         cfg.overlap = True
     target = args.target or cfg.target.model or DEFAULT_TARGET
-    draft = args.draft or cfg.draft.model or (DEFAULT_DRAFT if cfg.transport == "local" else None)
+    wants_model = cfg.drafter in ("model", "hybrid", "auto")
+    draft = (
+        args.draft or cfg.draft.model or (DEFAULT_DRAFT if cfg.transport == "local" and wants_model else None)
+    )
     gen = SpecSplitGenerator.from_pretrained(target=target, draft=draft, config=cfg)
     streamer = None
     if not args.no_stream and not args.json:
@@ -100,7 +105,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"\n[specsplit] {s['new_tokens']} tokens in {s['wall_time_s']:.2f}s "
             f"({s['tokens_per_s']:.1f} tok/s), {s['rounds']} rounds, tau={s['tau']:.2f}, "
-            f"acceptance={s['acceptance_rate']:.2f}, tree={cfg.tree.shape}",
+            f"acceptance={s['acceptance_rate']:.2f}, drafter={cfg.drafter}, rounds by drafter "
+            f"{s['rounds_by_drafter']}",
             file=sys.stderr,
         )
     gen.close()

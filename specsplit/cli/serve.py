@@ -55,6 +55,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "(clients with grpc_loop='target': one network hop a round instead of two)",
     )
     p.add_argument(
+        "--drafter",
+        choices=("model", "ngram", "suffix", "hybrid", "auto"),
+        default=None,
+        help="target: what drafts the rounds this worker runs (clients with grpc_loop='target') when a "
+        "request names none: the draft worker's model (default), or n-gram drafting on this worker itself "
+        "(ngram, suffix: no draft worker needed), or both (hybrid, auto)",
+    )
+    p.add_argument(
         "--draft-timeout",
         type=float,
         default=None,
@@ -174,15 +182,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         or args.grpc_streams is not None
         or args.tree_ipc is not None
         or args.draft_timeout is not None
+        or args.drafter is not None
     ):
         raise ConfigError(
-            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --[no-]grpc-streams "
-            "and --[no-]tree-ipc are target options"
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter, "
+            "--[no-]grpc-streams and --[no-]tree-ipc are target options"
         )
     if args.draft_timeout is not None and args.draft_timeout <= 0:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
+    if args.drafter is not None:
+        draft_peer["drafter"] = args.drafter
     if args.draft_address:
-        draft_peer = {
+        draft_peer |= {
             "draft_address": args.draft_address,
             "draft_auth_token": _read_token(
                 args.draft_auth_token_file, "SPECSPLIT_DRAFT_AUTH_TOKEN", "--draft-auth-token-file"

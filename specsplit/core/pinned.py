@@ -4,16 +4,15 @@ The overlapped pipeline runs a speculative draft in one thread while the verific
 another, and either may capture a graph (the target a prompt's bucket in the first round, the draft
 a new KV bucket). A capture's set-up in one thread (``torch.cuda.graph`` synchronises the device
 and frees cached blocks first) invalidates a capture in progress in the other, even in
-``thread_local`` capture mode, and the failed capture leaves the CUDA context unusable. Measured on
-an H200: two threads capturing a model's prefill buckets at once failed 3 runs of 3 without this
-lock and passed with it (``tests/test_gpu.py::test_captures_in_two_threads_at_once``). So every
+``thread_local`` capture mode, and the failed capture leaves the CUDA context unusable
+(``tests/test_gpu.py::test_captures_in_two_threads_at_once`` fails without this lock). So every
 capture, with its warm-up, holds :data:`CAPTURE_LOCK`.
 
 Pinned host allocations (``cudaHostAlloc``, when the caching host allocator has no free block of the
-size) take the same lock: an earlier session saw one invalidate a capture in another thread. An
-isolated test on an H200 did not reproduce that, so it is a precaution; uncontended it costs a lock
-acquisition per staging copy, and a thread that pins while the other captures waits for that capture
-(first uses only).
+size) take the same lock as a precaution: a pinned allocation may invalidate a capture in another
+thread as well (seen once, not reproduced in isolation). Uncontended it costs a lock acquisition per
+staging copy, and a thread that pins while the other captures waits for that capture (first uses
+only).
 """
 
 from __future__ import annotations

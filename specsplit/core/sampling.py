@@ -110,3 +110,35 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator | 
     g = torch.Generator(device=device)
     g.manual_seed(int(seed))
     return g
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = 0xBF58476D1CE4E5B9
+_MASK = (1 << 63) - 1
+
+
+def derive_seed(seed: int, position: int) -> int:
+    """A seed for the randomness of one absolute position (or one round starting there) of a
+    generation whose seed is ``seed``: splitmix64-style mixing, so nearby positions get unrelated
+    streams."""
+    x = (int(seed) * _GOLDEN + int(position) * _MIX) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * _MIX) & ((1 << 64) - 1)
+    x ^= x >> 29
+    return x & _MASK
+
+
+def position_noise(seed: int, start: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """`[count, vocab]` Exp(1) noise for the absolute positions ``start .. start + count - 1``.
+
+    Sampling position ``t`` as ``argmax(p_t / noise[t])`` draws from ``p_t``; because the noise
+    depends on the position and the generation's seed only, the token sampled at a position is the
+    same whatever tree (or none) a round verified there: seeded sampling gives the same tokens with
+    any drafter, any tree and any number of rounds.
+    """
+    g = torch.Generator(device=device)
+    rows = []
+    for i in range(count):  # a tree's depth + 1 rows
+        g.manual_seed(derive_seed(seed, start + i))
+        rows.append(exponential_noise((vocab,), device, g))
+    return torch.stack(rows) if rows else torch.empty(0, vocab, device=device)

@@ -120,19 +120,56 @@ def verify_greedy(
         max_depth: upper bound on the tree depth (host int).
         max_branch: upper bound on children per row (host int).
     """
-    argmax = target_logits.argmax(dim=-1)  # [N + 1]
+    return accept_matching(target_logits.argmax(dim=-1), tree, max_depth)
+
+
+def verify_sampled_matching(
+    target_probs: torch.Tensor, tree: TokenTree, max_depth: int, noise: torch.Tensor
+) -> VerifyOutcome:
+    """Lossless sampling verification of a deterministic tree (``q`` one-hot on every node).
+
+    Each row samples its target token as ``argmax(p / noise[depth])`` (an exponential race, so a
+    draw from ``p``) and the longest path of nodes whose tokens equal their parent row's draw is
+    accepted. For one-hot ``q`` this is recursive rejection sampling realised with one draw per row:
+    the first sibling is accepted with probability ``p(token)``, a later one with ``p(token)`` over
+    the mass its earlier siblings left, and otherwise the row's own draw follows from the residual.
+    ``noise`` depends on the absolute position only (:func:`~specsplit.core.sampling.position_noise`),
+    so the committed tokens are the ones plain sampling with that noise would give: the tree only
+    decides how many come per round.
+
+    Args:
+        target_probs: `[N + 1, vocab]` target sampling distributions of row 0 (context) and each node.
+        tree: a deterministic tree (``q_ids`` is None), same device.
+        max_depth: upper bound on the tree depth (host int).
+        noise: `[max_depth + 1, vocab]` Exp(1) noise of the positions the rows sample.
+    """
+    depth = torch.cat([tree.depths.new_zeros(1), tree.depths])  # [N + 1] row depth (0: the context)
+    choice = (target_probs.float() / noise.index_select(0, depth)).argmax(dim=-1)  # [N + 1]
+    return accept_matching(choice, tree, max_depth)
+
+
+def accept_matching(choice: torch.Tensor, tree: TokenTree, max_depth: int) -> VerifyOutcome:
+    """Longest path whose every node's token equals its parent row's ``choice``, then the choice of
+    the last accepted row.
+
+    Args:
+        choice: `[N + 1]` int64 the target's token at row 0 (context) and each node.
+        tree: the verified tree (same device).
+        max_depth: upper bound on the tree depth (host int).
+    """
     n = tree.num_nodes
-    accepted_child = torch.full((n + 1,), -1, dtype=torch.long, device=argmax.device)
+    dev = choice.device
+    accepted_child = torch.full((n + 1,), -1, dtype=torch.long, device=dev)
     if n:
-        match = tree.token_ids == argmax[tree.parents + 1]  # [N]
+        match = tree.token_ids == choice[tree.parents + 1]  # [N]
         if tree.q_probs is not None:  # padding nodes (never drawn) cannot be accepted
             match &= tree.q_probs.sum(-1) > 0
-        cand = torch.where(match, torch.arange(n, device=argmax.device), n)
-        first = torch.full((n + 1,), n, dtype=torch.long, device=argmax.device)
+        cand = torch.where(match, torch.arange(n, device=dev), n)
+        first = torch.full((n + 1,), n, dtype=torch.long, device=dev)
         first = first.scatter_reduce(0, tree.parents + 1, cand, reduce="amin")
         accepted_child = torch.where(first < n, first, -1)
     path, count, row = _follow_path(accepted_child, max_depth)
-    return VerifyOutcome(path, count, argmax.index_select(0, row.view(1)).view(()))
+    return VerifyOutcome(path, count, choice.index_select(0, row.view(1)).view(()))
 
 
 def _dense_q(tree: TokenTree, nodes: torch.Tensor, vocab: int) -> torch.Tensor:

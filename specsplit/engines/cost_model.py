@@ -283,7 +283,7 @@ class CostModel:
         with self._lock:
             self.rounds += 1
             if plan.model:
-                self._observe_model(plan, nodes, verify_s + draft_s, committed, ngram_scores)
+                self._observe_model(plan, nodes, draft_s, verify_s, committed, ngram_scores)
             else:
                 self.verify.add(nodes, verify_s)
                 fixed = max(round_s - verify_s, 0.0)
@@ -292,17 +292,24 @@ class CostModel:
                     self.cal.add(ngram_scores, ngram_accepted)
 
     def _observe_model(
-        self, plan: RoundPlan, nodes: int, busy_s: float, committed: int, scores: Sequence[float]
+        self,
+        plan: RoundPlan,
+        nodes: int,
+        draft_s: float,
+        verify_s: float,
+        committed: int,
+        scores: Sequence[float],
     ) -> None:
         if self._probe_left > 0:
             self._probe_left -= 1
+        # A model draft's cost is its call plus what its GPU work adds to the verify call (which
+        # waits for it); with no plain verification of this size measured yet, the call alone.
         t_v = self.verify(nodes)
-        if t_v is not None:
-            cost = max(busy_s - t_v, 0.0)
-            if self.model_s is None:
-                self.model_s = cost
-            elif cost < _STALL * self.model_s:
-                self.model_s += _EMA * (cost - self.model_s)
+        cost = draft_s + (max(verify_s - t_v, 0.0) if t_v is not None else 0.0)
+        if self.model_s is None:
+            self.model_s = cost
+        elif cost < _STALL * self.model_s:
+            self.model_s += _EMA * (cost - self.model_s)
         if plan.ngram_size == 0:
             tau = float(committed)
             self.model_tau = tau if self.model_tau is None else self.model_tau + _EMA * (tau - self.model_tau)
@@ -319,3 +326,23 @@ class CostModel:
 
 def _rate(p: RoundPlan) -> float:
     return p.expected / p.seconds if p.seconds > 0 else p.expected * 1e12
+
+
+class CostModels:
+    """One :class:`CostModel` per (drafter mode, tree shape, sampling or greedy), kept across generations.
+
+    What a model measured on earlier prompts holds for the next ones on the same machine and pair,
+    so a generator (and a target worker running rounds for its clients) keeps them here.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[str, str, bool, int], CostModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, mode: str, tree_key: str, model_nodes: int, do_sample: bool, max_ngram: int) -> CostModel:
+        key = (mode, tree_key, do_sample, max_ngram)
+        with self._lock:
+            model = self._models.get(key)
+            if model is None:
+                model = self._models[key] = CostModel(mode, model_nodes, max_ngram)
+            return model

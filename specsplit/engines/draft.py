@@ -16,7 +16,7 @@ import torch
 
 from specsplit.config import DraftConfig, TreeConfig
 from specsplit.core.growth import DynamicShape, PlanTensors, grow_dynamic_tree, grow_static_tree, main_path
-from specsplit.core.sampling import SamplingParams, make_generator
+from specsplit.core.sampling import SamplingParams, derive_seed, make_generator
 from specsplit.core.tree import StaticTreePlan, TokenTree
 from specsplit.core.tree_attention import bool_mask_to_float
 from specsplit.engines.base import EngineBase, desync_error
@@ -152,8 +152,11 @@ class DraftEngine(EngineBase[DraftCacheState]):
             else:
                 root_logits, hit = self._ingest(state, req, stats, capacity)
                 state.spec_base = None
-            gen = make_generator(self.device, req.seed) if req.sampling.do_sample else None
             committed = state.kv_cache.seq_len
+            # This round's draws depend on the generation's seed and the position only, so a round
+            # drafted again at the same position (after a missed speculation) draws the same tree.
+            seed = None if req.seed is None else derive_seed(req.seed, committed)
+            gen = make_generator(self.device, seed) if req.sampling.do_sample else None
             depth = req.tree.depth_limit
             if req.max_depth is not None:
                 left = req.max_depth - len(assumed)

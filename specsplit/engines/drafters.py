@@ -24,10 +24,10 @@ changes what is committed, only what a round costs.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 
+from specsplit.config import NgramConfig
 from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
 from specsplit.core.tree import TokenTree
 
@@ -42,26 +42,6 @@ def tree_size(k: int) -> int:
     return next((s for s in TREE_SIZES if s >= k), TREE_SIZES[-1])
 
 
-@dataclass(frozen=True)
-class NgramSettings:
-    """How n-gram proposals are made.
-
-    Attributes:
-        min_n / max_n: shortest and longest context suffix matched.
-        max_depth: deepest proposed node (deep chains pay when a long passage repeats).
-        max_nodes: most nodes a proposal (and so a round's n-gram tree) holds.
-        max_matches: earlier occurrences merged per lookup.
-        suffix_cache_tokens: tokens of earlier generations kept for ``suffix`` drafting.
-    """
-
-    min_n: int = 1
-    max_n: int = 6
-    max_depth: int = 16
-    max_nodes: int = 32
-    max_matches: int = 8
-    suffix_cache_tokens: int = 200_000
-
-
 class NgramDrafter:
     """Process-wide n-gram drafting: settings, and the suffix cache shared by every session.
 
@@ -70,8 +50,8 @@ class NgramDrafter:
         suffix: also index finished generations (``suffix`` drafting).
     """
 
-    def __init__(self, settings: NgramSettings | None = None, suffix: bool = False):
-        self.settings = settings or NgramSettings()
+    def __init__(self, settings: NgramConfig | None = None, suffix: bool = False):
+        self.settings = settings or NgramConfig()
         self.scoring = Scoring()
         self._cache: SuffixCache | None = None
         self._suffix = suffix
@@ -87,6 +67,11 @@ class NgramDrafter:
                 s = self.settings
                 self._cache = SuffixCache(max_tokens=s.suffix_cache_tokens, max_n=s.max_n)
             return self._cache
+
+    def clear(self) -> None:
+        """Forget the earlier generations of the suffix cache."""
+        with self._lock:
+            self._cache = None
 
     def session(self, prompt: list[int]) -> NgramSession:
         """A session's index over ``prompt`` (extended with every committed token)."""

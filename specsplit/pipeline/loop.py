@@ -27,6 +27,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
 from specsplit.engines.cost_model import CostModel, RoundPlan
 from specsplit.engines.drafters import NgramDrafter, NgramSession, merge_trees, proposal_tree
@@ -34,7 +35,7 @@ from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, Tra
 from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from specsplit.pipeline.on_target import decode_on_target
 from specsplit.pipeline.overlap import OverlapPolicy, speculate
-from specsplit.pipeline.params import DecodeParams, round_seeds
+from specsplit.pipeline.params import DecodeParams, generation_seeds
 from specsplit.pipeline.stop import StopChecker
 from specsplit.telemetry import RoundStats, SpecStats
 from specsplit.transport import Transport
@@ -52,7 +53,7 @@ def decode(
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt``.
 
     With ``params.overlap`` the draft side drafts round N+1 while the target verifies round N
-    (:mod:`specsplit.pipeline.overlap`); per-round seeds are drawn in the same order either way, so
+    (:mod:`specsplit.pipeline.overlap`); the engines draw by position, not by round, so
     the committed tokens are the same as sequential mode's. With ``params.loop == "target"`` the
     target worker runs this same loop itself (:func:`~specsplit.pipeline.on_target.decode_on_target`);
     the result is the same. :func:`decode_rounds` is the same loop as a generator of rounds.
@@ -162,7 +163,7 @@ class _Generation:
         self.ready: DraftResult | None = None  # next round's tree, drafted speculatively (a hit)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specsplit-verify") if overlap else None
         self.policy = params.policy or OverlapPolicy(always=params.overlap_policy == "always")
-        self.seeds = round_seeds(params)
+        self.seeds = generation_seeds(params)
         self.t_start = time.perf_counter()
 
     # ------------------------------------------------------------------ 1. draft
@@ -196,7 +197,11 @@ class _Generation:
 
     def _model_draft(self, remaining: int) -> DraftResult | None:
         """The draft model's tree for this round (None when the draft became unreachable)."""
-        req = DraftRequest(self.sid, self.draft_new, self.draft_prefix, self.params.tree, self.params.sampling,
+        # Beside n-gram trees the model drafts deterministically (top-k expansion, q one-hot): every tree
+        # of the generation is then verified against position-keyed draws, so seeded sampling commits
+        # the same tokens whatever the planner chose each round.
+        sampling = self.params.sampling if self.mode == "model" else SamplingParams()
+        req = DraftRequest(self.sid, self.draft_new, self.draft_prefix, self.params.tree, sampling,
                            self.seeds[0], remaining - 1, self.capacity)  # fmt: skip
         dres: DraftResult | None = None
         try:
@@ -220,7 +225,6 @@ class _Generation:
         vreq = VerifyRequest(
             self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity
         )
-        self.seeds = round_seeds(p)  # next round's, drawn before speculation uses them
         spec, spec_s = None, 0.0
         if (
             self.pool is not None

@@ -10,7 +10,7 @@ import torch
 
 from specsplit.errors import ConfigError, TransportError
 from specsplit.messages import GenerateRequest
-from specsplit.pipeline.params import DecodeParams, round_seeds
+from specsplit.pipeline.params import DecodeParams, generation_seeds
 from specsplit.pipeline.stop import StopChecker
 from specsplit.telemetry import SpecStats
 from specsplit.transport import Transport
@@ -28,8 +28,8 @@ def decode_on_target(
     The worker cuts at EOS and ``max_new_tokens``; stop strings are checked here on the streamed
     tokens, and the call is cancelled at the first match (the worker may have run one round
     more, which is dropped). Sampling seeds: the worker draws them from a copy of this call's
-    generator state in the same order as :func:`decode`, and afterwards this generator is advanced
-    by the same draws, so tokens and generator state equal client-loop mode's.
+    generator state as :func:`decode` does, and afterwards this generator is advanced by the same
+    draw, so tokens and generator state equal client-loop mode's.
     """
     run = getattr(transport, "generate_on_target", None)
     if run is None:
@@ -54,6 +54,7 @@ def decode_on_target(
         rng_state=rng_state,
         overlap=params.overlap,
         overlap_policy=params.overlap_policy,
+        drafter=params.drafter,
     )
     t_start = time.perf_counter()
     stream = run(req)
@@ -83,6 +84,5 @@ def decode_on_target(
         if not finished:
             stream.cancel()  # a stop string, an error here, or the worker failing: stop it there too
         stats.wall_time_s = time.perf_counter() - t_start
-    for _ in range(1 + len(stats.rounds)):  # the draws decode() makes (none under greedy)
-        round_seeds(params)
+    generation_seeds(params)  # the draw decode() makes (none under greedy)
     return out, stats

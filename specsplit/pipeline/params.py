@@ -29,7 +29,7 @@ class DecodeParams:
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     tokenizer: Any = None  # needed for stop strings
-    generator: torch.Generator | None = None  # CPU RNG the per-round seeds are drawn from
+    generator: torch.Generator | None = None  # CPU RNG the generation's seeds are drawn from
     after_draft: Callable[[], None] | None = None  # e.g. a device sync for exact timing
     overlap: bool = False  # draft round N+1 (speculatively) while round N verifies
     overlap_policy: str = "adaptive"  # or "always" (see SpecSplitConfig.overlap_policy)
@@ -40,8 +40,12 @@ class DecodeParams:
     cost: CostModel | None = None  # the round planner, kept across calls by the caller; None: a fresh one
 
 
-def round_seeds(params: DecodeParams) -> tuple[int | None, int | None]:
-    """The next round's (draft, verify) seeds, drawn from ``params.generator`` (sampling only)."""
+def generation_seeds(params: DecodeParams) -> tuple[int | None, int | None]:
+    """A generation's (draft, verify) seeds, drawn once from ``params.generator`` (sampling only).
+
+    The engines derive each round's and each position's randomness from them and the absolute
+    position (:func:`~specsplit.core.sampling.derive_seed`), so the committed tokens do not depend
+    on how many rounds a generation took or what they drafted."""
     if not params.sampling.do_sample:
         return None, None
     s = torch.randint(0, SEED_HIGH, (2,), generator=params.generator).tolist()

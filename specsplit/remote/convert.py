@@ -381,6 +381,7 @@ def generate_request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
         rng_state=r.rng_state,
         overlap=r.overlap,
         overlap_policy=r.overlap_policy,
+        drafter=r.drafter,
     )
 
 
@@ -395,6 +396,7 @@ def generate_request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
         rng_state=bytes(m.rng_state),
         overlap=m.overlap,
         overlap_policy=m.overlap_policy or "adaptive",
+        drafter=m.drafter,
     )
 
 
@@ -411,6 +413,7 @@ def generate_round_to_proto(tokens: list[int], r: RoundStats) -> pb.GenerateRoun
         draft_model_s=r.draft_model_s,
         verify_model_s=r.verify_model_s,
         overlap_draft_s=r.overlap_draft_s,
+        drafter=r.drafter,
     )
     if r.spec_hit is not None:
         m.spec_hit = r.spec_hit
@@ -443,6 +446,7 @@ def generate_update_from_proto(m: pb.GenerateResponse) -> GenerateUpdate:
                 draft_model_s=r.draft_model_s,
                 verify_model_s=r.verify_model_s,
                 overlap_draft_s=r.overlap_draft_s,
+                drafter=r.drafter,
                 spec_hit=r.spec_hit if r.HasField("spec_hit") else None,
             ),
         )

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from specsplit.config import NgramConfig
 from specsplit.errors import (
     CacheDesyncError,
     ConfigError,
@@ -46,7 +47,7 @@ from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
 from specsplit.remote.client import STREAM_FULL_KEY, GrpcTransport
-from specsplit.remote.target_loop import TargetLoopTransport, decode_params
+from specsplit.remote.target_loop import TargetLoopTransport, WorkerDrafting, decode_params
 from specsplit.remote.tree_slots import SlotDraftRequest, SlotDraftResult, TreeSlotExporter
 from specsplit.telemetry import SpecStats
 
@@ -290,6 +291,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         max_streams: most ``VerifyDraftsStream`` streams open at once (each holds a request thread).
         tree_slots: ``Generate`` reads trees from a co-located draft worker's GPU memory where it
             can (:mod:`specsplit.remote.tree_slots`).
+        drafting: what ``Generate`` drafts with (the default drafter, n-gram settings).
     """
 
     def __init__(
@@ -299,6 +301,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         draft: GrpcTransport | None = None,
         max_streams: int = 4,
         tree_slots: bool = True,
+        drafting: WorkerDrafting | None = None,
     ):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
@@ -309,6 +312,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self._h = _Handler(engine, "target", limits, max_streams)
         self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity, tree_slots)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
+        self._drafting = drafting or WorkerDrafting()
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def work(t0: float) -> pb.VerifyResponse:
@@ -345,7 +349,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         def check(t0: float) -> Any:
             check_tree_spec(request.tree, self._h.limits)
             req = convert.generate_request_from_proto(request)
-            return req, decode_params(req, self._h.engine.model_vocab_size, self._h.limits, self._policies)
+            vocab = self._h.engine.model_vocab_size
+            return req, decode_params(req, vocab, self._h.limits, self._policies, self._drafting)
 
         req, params = self._h.run(context, None, check)
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
@@ -569,6 +574,8 @@ def serve_target(
     draft_timeout_s: float = 60.0,
     draft_streams: bool = True,
     tree_slots: bool = True,
+    drafter: str = "model",
+    ngram: NgramConfig | None = None,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.engines.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
 
@@ -584,6 +591,9 @@ def serve_target(
         tree_slots: with the draft worker on this host and both on CUDA devices, greedy rounds read
             each tree from the draft worker's GPU memory (CUDA IPC) instead of its reply, so the
             verification is queued behind the draft's GPU work (:mod:`specsplit.remote.tree_slots`).
+        drafter: what ``Generate`` drafts with when a request names no drafter
+            (``SpecSplitConfig.drafter``); the n-gram drafters run on this worker, with no draft worker.
+        ngram: how this worker's n-gram drafters propose trees.
 
     Each running ``Generate`` holds one of the ``max_workers`` request threads for its whole length.
     """
@@ -592,7 +602,8 @@ def serve_target(
     if draft_address:
         draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
                               tls_ca_file=draft_tls_ca_file, streams=draft_streams)  # fmt: skip
-    servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers), tree_slots)
+    drafting = WorkerDrafting(drafter, ngram)
+    servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers), tree_slots, drafting)
     server = _serve(
         "target", servicer, pb_grpc.add_TargetServiceServicer_to_server,
         engine, port, host, max_workers, tls, auth_token, limits,

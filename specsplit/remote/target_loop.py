@@ -22,7 +22,10 @@ from typing import Any
 
 import torch
 
-from specsplit.errors import InvalidRequest, ResourceExhausted, SpecSplitError, TransportError
+from specsplit.config import DRAFTERS, NgramConfig
+from specsplit.engines.cost_model import CostModels
+from specsplit.engines.drafters import NgramDrafter
+from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SpecSplitError, TransportError
 from specsplit.messages import (
     DraftRequest,
     DraftResult,
@@ -100,7 +103,7 @@ class TargetLoopTransport:
         if self._want_slots and not request.speculate and not request.sampling.do_sample:
             slots, channel, slot = self._slot_for(request.session_id)
             if channel:
-                request = SlotDraftRequest(**vars(request), tree_channel=channel, tree_slot=slot)
+                request = SlotDraftRequest.of(request, channel, slot)
         res = self._draft.draft(request)
         in_slot = res.tree_in_slot if isinstance(res, SlotDraftResult) else None
         if in_slot is not None:
@@ -197,8 +200,35 @@ class TargetLoopTransport:
             self._draft.close()
 
 
+class WorkerDrafting:
+    """What a target worker running rounds drafts with, kept across its clients' generations: the
+    default drafter, the n-gram drafters (one with the worker's suffix cache of earlier
+    generations) and the round planners.
+
+    Args:
+        default: the drafter of requests that name none (``specsplit serve target --drafter``).
+        ngram: how n-gram trees are proposed.
+    """
+
+    def __init__(self, default: str = "model", ngram: NgramConfig | None = None):
+        if default not in DRAFTERS:
+            raise ConfigError(f"drafter must be one of {DRAFTERS}, got {default!r}")
+        self.default = default
+        self.ngram = ngram or NgramConfig()
+        self._plain = NgramDrafter(self.ngram, suffix=False)
+        self._suffix = NgramDrafter(self.ngram, suffix=True)
+        self.costs = CostModels()
+
+    def drafter(self, mode: str) -> NgramDrafter:
+        return self._suffix if mode in ("suffix", "auto") else self._plain
+
+
 def decode_params(
-    req: GenerateRequest, vocab_size: int, limits: Any, policies: OverlapPolicies
+    req: GenerateRequest,
+    vocab_size: int,
+    limits: Any,
+    policies: OverlapPolicies,
+    drafting: WorkerDrafting | None = None,
 ) -> DecodeParams:
     """Check a ``Generate`` request against the worker's limits and build the loop's parameters.
 
@@ -224,6 +254,10 @@ def decode_params(
         )
     if req.overlap_policy not in ("adaptive", "always"):
         raise InvalidRequest(f"overlap_policy must be 'adaptive' or 'always', got {req.overlap_policy!r}")
+    drafting = drafting or WorkerDrafting()
+    mode = req.drafter or drafting.default
+    if mode not in DRAFTERS:
+        raise InvalidRequest(f"drafter must be one of {DRAFTERS} (or empty), got {req.drafter!r}")
     generator = None
     if req.sampling.do_sample:
         generator = torch.Generator()
@@ -250,4 +284,9 @@ def decode_params(
         overlap=req.overlap,
         overlap_policy=req.overlap_policy,
         policy=policies.policy(req.tree, req.sampling.do_sample, always) if req.overlap else None,
+        drafter=mode,
+        ngram=drafting.drafter(mode),
+        cost=drafting.costs.get(
+            mode, repr(req.tree), req.tree.max_nodes, req.sampling.do_sample, drafting.ngram.max_nodes
+        ),
     )

@@ -3,8 +3,7 @@
 Without them a round's tree crosses between the workers as a protobuf message: the draft worker
 waits for its GPU work to end, copies the tree to the host and serialises it; the target worker
 decodes and validates it and only then prepares and launches its verification. All of that, and the
-reply's network hop, is serial host work while the GPU idles (~1.3 ms a round on an H200 host,
-``benchmarks/results/grpc_round_trace-h200-random-interleaved.md``).
+reply's network hop, is serial host work while the GPU idles (see benchmarks/NOTES.md, "Tree slots").
 
 With a target worker on the same host as its draft worker (``specsplit serve target
 --draft-address``; ``--tree-ipc`` is the default), the target asks the draft worker once for
@@ -32,7 +31,7 @@ reply as before.
 
 Slots are refused (and trees travel in replies) when the draft runs on the CPU, the hosts differ,
 the draft's GPU is not visible to the target, the CUDA IPC handles do not open (e.g. containers
-without a shared IPC namespace), or with ``SPECSPLIT_TREE_IPC=0`` on either worker.
+without a shared IPC namespace), or when the target worker is started with ``--no-tree-ipc``.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ import socket
 import threading
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -77,6 +76,12 @@ class SlotDraftRequest(DraftRequest):
 
     tree_channel: str = ""
     tree_slot: int = 0
+
+    @classmethod
+    def of(cls, request: DraftRequest, channel: str, slot: int) -> SlotDraftRequest:
+        """``request`` asking for its tree in slot ``slot`` of ``channel``."""
+        base = {f.name: getattr(request, f.name) for f in fields(DraftRequest)}
+        return cls(**base, tree_channel=channel, tree_slot=slot)
 
 
 @dataclass

@@ -4,7 +4,8 @@ A tree forward (verify, draft level, ingest) attends a few query rows to a cache
 additive mask. transformers' SDPA integration, given a mask, copies K and V to every query head
 (``repeat_kv``) and hands SDPA ``heads`` slices that each stream the whole prefix. For GQA models
 (Qwen2.5-Coder-1.5B: 12 query heads over 2 KV heads) that moves ``group`` times the KV bytes the
-step needs, and at long contexts it dominates the step (``benchmarks/attention_kernels.py``).
+step needs, and at long contexts it dominates the step (see benchmarks/NOTES.md, "Folded GQA
+attention and the math kernel").
 
 Folding the GQA group into the query rows, `[b, heads, q, d] -> [b, kv_heads, group * q, d]`,
 reads each K/V head once. Query head ``h`` reads KV head ``h // group`` exactly as ``repeat_kv``
@@ -30,9 +31,8 @@ Why not cuDNN: on Hopper (and B200) PyTorch ranks cuDNN attention first for bf16
 execution plan per problem shape, the sequence lengths included, and PyTorch caches those plans per
 *thread*. A prefill over a prompt of a new length, or one run on another thread than the last prompt
 of that length (a gRPC worker serves each call on whichever pool thread is free), builds a plan
-first: tens of milliseconds of host time per forward, paid by every new prompt. The memory-efficient
-kernel has no per-shape plan. Set ``SPECSPLIT_SDPA_CUDNN=1`` to leave the choice to PyTorch (an A/B
-switch, read at import into :data:`AVOID_CUDNN`, which every call checks).
+first: host time per forward paid by every new prompt. The memory-efficient kernel has no per-shape
+plan (see benchmarks/NOTES.md, "Avoiding cuDNN SDPA"). :data:`AVOID_CUDNN` holds the choice.
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg: a SpecPV QueryRecorde
 ENGINE_KWARG = "specsplit_engine"  # model-forward kwarg: a SpecSplit engine's forward (see above)
 AVOID_CUDNN = os.environ.get("SPECSPLIT_SDPA_CUDNN", "0") != "1"  # engine forwards' SDPA skips cuDNN
 FOLD_MAX_ROWS = 64  # tree forwards; a long prefill keeps SDPA (its folded mask would be huge)
-# Below this many cached tokens transformers' path is as fast or faster: H200 steps at 512 tokens, q=1,
-# cost 3% more folded as CUDA graphs and 7% more compiled (even at q=17); at 4,096 tokens the fold is
-# 1.1-1.5x faster, at 16,384 up to 2.7x (benchmarks/results/step_times-h200-fold{,-compile}.md).
+# Below this many cached tokens transformers' path is as fast or faster, so the fold starts here (see
+# benchmarks/NOTES.md, "Folded GQA attention and the math kernel").
 FOLD_MIN_KV = 2048
 MATH_MIN_KV = 4096  # prefix length from which the matmul kernel replaces SDPA
 

@@ -1,10 +1,9 @@
 """Fused projections: one GEMM for q/k/v and one for gate/up in every decoder layer.
 
-At batch 1 a decode or verify step is a chain of small GEMMs, and each costs a kernel's latency
-(4–5 µs on an H100/H200) far more than its weight read (`benchmarks/results/profiles/
-h200-dynamic-compiled-rounds.txt`: 55% of CUDA time in GEMM kernels of that size). A Llama/Qwen2
-layer runs seven: q, k, v, o, gate, up, down. Concatenating the weights of q/k/v and of gate/up
-leaves four, with the same arithmetic.
+At batch 1 a decode or verify step is a chain of small GEMMs, and each costs a kernel's latency far
+more than its weight read (see benchmarks/NOTES.md, "Fused projections"). A Llama/Qwen2 layer runs
+seven: q, k, v, o, gate, up, down. Concatenating the weights of q/k/v and of gate/up leaves four,
+with the same arithmetic.
 
 :func:`fuse_projections` rewrites a loaded model in place:
 

@@ -3,7 +3,8 @@
 At batch 1 both models are bound by per-kernel launch overhead in eager PyTorch; a forward whose
 shapes never change (the verify step over a fixed tree budget, each draft level, the padded ingest
 of the accepted tokens) can be captured once in a CUDA graph and replayed for every later round and
-session. What makes the shapes static:
+session (see benchmarks/NOTES.md, "CUDA graphs and the static workspace"). What makes the shapes
+static:
 
 - the KV cache is written at positions given by a device tensor (``index_copy_``) and attention
   reads a fixed bucket of the buffer (the smallest power of two >= the valid length, at least
@@ -312,7 +313,7 @@ class GraphedRound:
         self.fn = fn
         # All-int64 inputs on a GPU live in ONE device buffer with a pinned host twin: a call with
         # host arguments (a tree that came over gRPC) is then one copy, not one per input plus a
-        # fill kernel per int; each pageable copy costs the host ~20 us before the launch.
+        # fill kernel per int, and each pageable copy costs host time before the launch.
         self._stage: torch.Tensor | None = None
         self._stage_np: Any = None
         self._staged: torch.cuda.Event | None = None

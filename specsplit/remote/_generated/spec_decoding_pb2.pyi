@@ -247,7 +247,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "max_new_tokens", "sampling", "tree", "eos_token_ids", "rng_state", "overlap", "overlap_policy")
+    __slots__ = ("session_id", "prompt_token_ids", "max_new_tokens", "sampling", "tree", "eos_token_ids", "rng_state", "overlap", "overlap_policy", "drafter")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class GenerateRequest(_message.Message):
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -266,10 +267,11 @@ class GenerateRequest(_message.Message):
     rng_state: bytes
     overlap: bool
     overlap_policy: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rng_state: _Optional[bytes] = ..., overlap: _Optional[bool] = ..., overlap_policy: _Optional[str] = ...) -> None: ...
+    drafter: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rng_state: _Optional[bytes] = ..., overlap: _Optional[bool] = ..., overlap_policy: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerateRound(_message.Message):
-    __slots__ = ("token_ids", "accepted", "drafted_depth", "tree_nodes", "draft_s", "verify_s", "host_s", "transport_s", "draft_model_s", "verify_model_s", "overlap_draft_s", "spec_hit")
+    __slots__ = ("token_ids", "accepted", "drafted_depth", "tree_nodes", "draft_s", "verify_s", "host_s", "transport_s", "draft_model_s", "verify_model_s", "overlap_draft_s", "spec_hit", "drafter")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +284,7 @@ class GenerateRound(_message.Message):
     VERIFY_MODEL_S_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     SPEC_HIT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
     drafted_depth: int
@@ -294,7 +297,8 @@ class GenerateRound(_message.Message):
     verify_model_s: float
     overlap_draft_s: float
     spec_hit: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., host_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., draft_model_s: _Optional[float] = ..., verify_model_s: _Optional[float] = ..., overlap_draft_s: _Optional[float] = ..., spec_hit: _Optional[bool] = ...) -> None: ...
+    drafter: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., host_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., draft_model_s: _Optional[float] = ..., verify_model_s: _Optional[float] = ..., overlap_draft_s: _Optional[float] = ..., spec_hit: _Optional[bool] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("rounds", "done", "recoveries", "draft_fallback", "wall_time_s")

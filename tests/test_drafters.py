@@ -1,0 +1,181 @@
+"""Drafters beside the model: n-gram / suffix trees, hybrid trees, the cost model that sizes rounds.
+
+Pins: every drafter's greedy output equals HF ``generate()`` in float32 (with and without a draft
+model, on the eager and the static path, in batches); seeded sampling gives the same tokens with
+any drafter (position-keyed draws); the suffix cache drafts from earlier generations; the cost
+model, with injected costs, picks the arm with the best tokens per second, turns speculation off
+when it does not pay and probes the model's tree ever less often while it loses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+from specsplit.config import DraftConfig, EngineTuning, TargetConfig
+from specsplit.engines.cost_model import CostModel, FixedCosts, RoundPlan
+from specsplit.engines.drafters import TREE_SIZES, merge_trees, proposal_tree, tree_size
+
+# A prompt that repeats itself, and a tiny target whose greedy continuation loops: n-gram lookup
+# finds matches in both.
+PROMPT = [5, 17, 33, 81, 9, 100, 5, 17, 33, 81]
+MODES = ["ngram", "suffix", "hybrid", "auto"]
+
+
+def _hf(model, ids, n, mask=None):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_every_drafter_is_exact(llama_target, llama_draft_random, mode, tree):
+    ids = torch.tensor([PROMPT])
+    ref = _hf(llama_target, ids, 60)
+    shape = TreeConfig(shape=tree, budget=12, max_depth=4, topk=3, width=3)
+    with SpecSplitGenerator(
+        llama_target, llama_draft_random, config=SpecSplitConfig(drafter=mode, tree=shape)
+    ) as gen:
+        outs = [gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True) for _ in range(2)]
+    for out in outs:
+        assert torch.equal(out.sequences, ref)
+    by = outs[-1].spec_stats.rounds_by_drafter()
+    assert by.get("ngram", 0) + by.get("hybrid", 0) > 0, by  # n-gram trees were verified
+    if mode == "hybrid":
+        assert set(by) <= {"model", "hybrid"}  # hybrid always drafts with the model too
+
+
+def test_ngram_needs_no_draft_model(llama_target, qwen_target):
+    """``SpecSplitGenerator(target, None, config=SpecSplitConfig(drafter="ngram"))``: exact, and it drafts."""
+    for target in (llama_target, qwen_target):
+        ids = torch.tensor([PROMPT])
+        ref = _hf(target, ids, 80)
+        with SpecSplitGenerator(target, None, config=SpecSplitConfig(drafter="ngram")) as gen:
+            assert gen.draft_engine is None
+            out = gen.generate(ids, max_new_tokens=80, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.spec_stats.tau > 1.1, out.spec_stats.summary()
+
+
+def test_ngram_batch_and_static_path_are_exact(llama_target):
+    """Left-padded batches, and the CUDA-graph (static) path, where n-gram trees are padded to a few
+    sizes so a target replays a bounded set of round graphs."""
+    prompts = [PROMPT, [7, 7, 12, 7, 7], [44, 3, 19, 250, 61, 62, 63, 64, 9]]
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    ref = _hf(llama_target, ids, 48, mask)
+    for graphs in (False, True):
+        cfg = SpecSplitConfig(
+            drafter="ngram",
+            target=TargetConfig(cuda_graphs=graphs, tuning=EngineTuning(graph_capacity=512)),
+            draft=DraftConfig(cuda_graphs=graphs),
+        )
+        with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
+            out = gen.generate(ids, attention_mask=mask, max_new_tokens=48, return_dict_in_generate=True)
+            rounds = gen.target_engine._rounds if gen.target_engine is not None else {}
+        assert torch.equal(out.sequences, ref)
+        if graphs:  # one-graph greedy rounds, keyed by tree size: only the padded sizes
+            assert rounds and {key[0] for key in rounds} <= {0, *TREE_SIZES}
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_any_drafter(llama_target, llama_draft_random):
+    """Position-keyed draws: the committed tokens do not depend on what a round drafted, so the same
+    seed gives the same tokens target-only, with n-gram trees, merged trees or the cost model's mix."""
+    ids = torch.tensor([PROMPT])
+    kw = dict(max_new_tokens=40, do_sample=True, temperature=0.8, top_p=0.95, return_dict_in_generate=True)
+    outs = {}
+    for mode, draft in (("model", None), ("ngram", None), ("suffix", None), ("hybrid", llama_draft_random),
+                        ("auto", llama_draft_random)):  # fmt: skip
+        shape = TreeConfig(shape="dynamic", budget=8, max_depth=3, topk=2, width=2)
+        with SpecSplitGenerator(llama_target, draft, config=SpecSplitConfig(drafter=mode, tree=shape)) as gen:
+            outs[mode] = [
+                gen.generate(ids, generator=torch.Generator().manual_seed(s), **kw) for s in (3, 3, 4)
+            ]
+    ref = outs["model"][0].sequences  # no draft model: plain sampled target steps
+    for mode, (a, b, c) in outs.items():
+        assert torch.equal(a.sequences, ref), mode
+        assert torch.equal(b.sequences, ref), mode  # reproducible, also after the cost model learned
+        assert not torch.equal(c.sequences, ref), mode
+    assert outs["suffix"][1].spec_stats.tau > 2.0  # the first generation is in the suffix cache: it drafts
+
+
+def test_suffix_cache_drafts_from_earlier_generations(llama_target):
+    ids = torch.tensor([[9, 8, 7, 6]])
+    ref = _hf(llama_target, ids, 64)
+    with SpecSplitGenerator(llama_target, None, config=SpecSplitConfig(drafter="suffix")) as gen:
+        first = gen.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+        second = gen.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+    assert torch.equal(first.sequences, ref) and torch.equal(second.sequences, ref)
+    assert second.spec_stats.tau > 2 * first.spec_stats.tau  # the first generation's text repeats
+
+
+# ---------------------------------------------------------------------- trees
+def test_proposal_trees_pad_to_fixed_sizes_and_merge():
+    from specsplit.core.ngram import Proposal
+
+    prop = Proposal([4, 5, 6, 7], [-1, 0, 1, -1], [1, 2, 3, 1], [0.9, 0.8, 0.7, 0.1])
+    assert [tree_size(k) for k in (0, 1, 5, 7, 33, 1000)] == [0, 1, 6, 8, 48, 64]
+    tree, scores = proposal_tree(prop, 6, depth_bound=16, fixed_bounds=True)
+    assert tree.num_nodes == 6 and tree.bounds() == (6, 16)
+    assert tree.token_ids.tolist()[:4] == [4, 5, 6, 7] and scores == [0.9, 0.8, 0.7, 0.1, 0.0, 0.0]
+    tree.validate(vocab_size=100)
+    small, _ = proposal_tree(prop, 2, depth_bound=16, fixed_bounds=False)
+    assert small.token_ids.tolist() == [4, 5] and small.bounds() == (1, 2)
+    merged = merge_trees(small, tree)
+    merged.validate(vocab_size=100)
+    assert merged.parents.tolist() == [-1, 0, -1, 2, 3, -1, -1, -1]
+    assert merged.num_nodes == 8 and merged.bounds() == (7, 16)
+
+
+# ---------------------------------------------------------------------- cost model
+FLAT = FixedCosts(fixed=0.001, verify=lambda n: 0.010 + 0.0001 * n, model=0.030)  # a GPU-like profile
+STEEP = FixedCosts(fixed=0.001, verify=lambda n: 0.010 * (1 + 0.25 * n), model=0.030)  # a CPU-like profile
+
+
+def test_cost_model_sizes_the_tree_by_expected_tokens_per_second():
+    scores = [0.95, 0.9, 0.85, 0.8, 0.6, 0.5, 0.3, 0.2, 0.1, 0.05]
+    flat = CostModel("ngram", costs=FLAT).plan(scores, model_available=False)
+    assert flat.ngram_size >= 8 and not flat.model  # verifying more is nearly free
+    steep = CostModel("ngram", costs=STEEP).plan(scores, model_available=False)
+    assert 0 < steep.ngram_size < flat.ngram_size  # each node costs a step: only the likely ones
+    weak = CostModel("ngram", costs=STEEP).plan([0.05, 0.04], model_available=False)
+    assert weak == RoundPlan(False, 0, weak.expected, weak.seconds)  # nothing pays: a plain step
+
+
+def test_cost_model_learns_that_proposals_fail():
+    cm = CostModel("ngram", costs=STEEP)
+    scores = [0.9, 0.8, 0.7]
+    assert cm.plan(scores, False).ngram_size > 0
+    for _ in range(60):  # the proposals' scores were wrong: nothing was ever accepted
+        cm.observe(RoundPlan(False, 3), 3, 0.04, 0.041, 0.0, 1, scores, [False] * 3)
+    assert cm.plan(scores, False).ngram_size == 0
+
+
+def test_auto_probes_the_model_ever_less_often_while_it_loses():
+    cm = CostModel("auto", model_nodes=8, costs=FLAT, probe_every=4)
+    arms = []
+    for _ in range(200):
+        plan = cm.plan([0.9, 0.9, 0.9, 0.8], model_available=True)
+        arms.append(plan.arm)
+        committed = 2 if plan.model else 4
+        scores = [0.9, 0.9, 0.9, 0.8][: plan.ngram_size]
+        flags = [i < 3 for i in range(len(scores))]
+        cm.observe(plan, plan.ngram_size + 8 * plan.model, 0.01, 0.02, 0.03 if plan.model else 0.0, committed,
+                   scores, flags)  # fmt: skip
+    probes = [i for i, a in enumerate(arms) if a == "model"]
+    assert probes[:3] == [0, 1, 2]  # measured first
+    gaps = [b - a for a, b in zip(probes[3:], probes[4:], strict=False)]
+    assert gaps and all(b >= a for a, b in zip(gaps, gaps[1:], strict=False)) and gaps[-1] > gaps[0]
+    assert arms[-1] == "ngram" and len(probes) < 15
+
+
+def test_hybrid_always_drafts_with_the_model_and_model_mode_never_plans_ngram():
+    hybrid = CostModel("hybrid", model_nodes=8, costs=FLAT)
+    assert hybrid.plan([0.9, 0.8], model_available=True).model
+    assert hybrid.plan([], model_available=True) == RoundPlan(True, 0, 1.0, hybrid.plan([], True).seconds)
+    assert CostModel("model").plan([0.9], model_available=True) == RoundPlan(True, 0)
+    with pytest.raises(ValueError, match="drafter"):
+        CostModel("magic")
