@@ -297,8 +297,15 @@ class SpecSplitGenerator:
                 self.config.tree.max_nodes,
                 do_sample,
                 self.config.tuning.ngram.max_nodes,
+                self._padded_trees(),
             ),
         )
+
+    def _padded_trees(self) -> bool:
+        """Pad n-gram trees to a few sizes: the target may replay graphs (a remote one may: padding
+        then costs a little, while a graph and a compile per tree size would cost a lot)."""
+        engine = self.target_engine
+        return engine is None or engine.config.cuda_graphs
 
     def _overlap_policy(self, do_sample: bool) -> OverlapPolicy:
         always = self.config.tuning.overlap_policy == "always"

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specsplit.engines.drafters import TREE_SIZES
+from specsplit.engines.drafters import tree_sizes
 
 MODES = ("model", "ngram", "suffix", "hybrid", "auto")
 _CAL_BINS = 10
@@ -145,6 +145,8 @@ class CostModel:
         mode: ``"model"``, ``"ngram"``, ``"suffix"``, ``"hybrid"`` or ``"auto"``.
         model_nodes: nodes of the model draft's tree (its shape's budget).
         max_ngram: most n-gram nodes a round may verify.
+        padded: n-gram trees are padded to a few sizes (a target on the CUDA-graph path) rather
+            than verified at exactly the size a round needs.
         costs: injected costs (tests); measured online when None.
         probe_every: rounds between probes of an arm with a model draft while another arm wins
             (doubling up to ``max_probe_every`` each time the probe confirms it loses).
@@ -155,6 +157,7 @@ class CostModel:
         mode: str,
         model_nodes: int = 0,
         max_ngram: int = 32,
+        padded: bool = True,
         costs: FixedCosts | None = None,
         probe_every: int = 32,
         max_probe_every: int = 1024,
@@ -163,7 +166,8 @@ class CostModel:
             raise ValueError(f"drafter must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.model_nodes = model_nodes
-        self.sizes = tuple(s for s in TREE_SIZES if s <= max_ngram)
+        self.padded = padded
+        self.sizes = tree_sizes(max_ngram, padded) if max_ngram > 0 else ()
         self.costs = costs
         self.verify = _Curve()
         self.fixed: float | None = None
@@ -336,13 +340,15 @@ class CostModels:
     """
 
     def __init__(self) -> None:
-        self._models: dict[tuple[str, str, bool, int], CostModel] = {}
+        self._models: dict[tuple[str, str, bool, int, bool], CostModel] = {}
         self._lock = threading.Lock()
 
-    def get(self, mode: str, tree_key: str, model_nodes: int, do_sample: bool, max_ngram: int) -> CostModel:
-        key = (mode, tree_key, do_sample, max_ngram)
+    def get(
+        self, mode: str, tree_key: str, model_nodes: int, do_sample: bool, max_ngram: int, padded: bool
+    ) -> CostModel:
+        key = (mode, tree_key, do_sample, max_ngram, padded)
         with self._lock:
             model = self._models.get(key)
             if model is None:
-                model = self._models[key] = CostModel(mode, model_nodes, max_ngram)
+                model = self._models[key] = CostModel(mode, model_nodes, max_ngram, padded)
             return model

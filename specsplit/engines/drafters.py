@@ -16,9 +16,10 @@ transport). The drafters here run on the host, beside the round loop:
 
 Every tree here is deterministic: ``q`` is one-hot on each node's token, so verification stays
 lossless under sampling (recursive rejection sampling accepts any tree whose ``q`` is exact).
-Trees are padded to a few fixed sizes (:data:`TREE_SIZES`) so a target on the CUDA-graph path
-replays a bounded set of graphs; a padding node is one more (deterministic) guess, so padding never
-changes what is committed, only what a round costs.
+For a target on the CUDA-graph path, trees are padded to a few fixed sizes (:data:`TREE_SIZES`) so
+it replays (and compiles) a bounded set of graphs; a padding node is one more deterministic guess, so
+padding never changes what is committed, only what a round costs. An eager target verifies trees of
+exactly the size the round needs.
 """
 
 from __future__ import annotations
@@ -31,15 +32,24 @@ from specsplit.config import NgramConfig
 from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
 from specsplit.core.tree import TokenTree
 
-# Node counts an n-gram tree is padded to (one target graph each on the CUDA-graph path).
-TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Node counts an n-gram tree is padded to for a target on the CUDA-graph path (one graph each, and one
+# compile each under torch.compile): doubling sizes keep the padding below half a tree.
+TREE_SIZES = (2, 4, 8, 16, 32, 64)
 
 
-def tree_size(k: int) -> int:
-    """The smallest of :data:`TREE_SIZES` that holds ``k`` nodes (0 for none)."""
+def tree_sizes(max_nodes: int, padded: bool) -> tuple[int, ...]:
+    """The n-gram tree sizes a round may verify: :data:`TREE_SIZES` up to ``max_nodes`` when trees are
+    padded for graphs (``max_nodes`` itself as the last), else every size from 1."""
+    if not padded:
+        return tuple(range(1, max_nodes + 1))
+    return tuple(s for s in TREE_SIZES if s < max_nodes) + (max_nodes,)
+
+
+def tree_size(k: int, sizes: tuple[int, ...] = TREE_SIZES) -> int:
+    """The smallest of ``sizes`` that holds ``k`` nodes (0 for none; the largest when none does)."""
     if k <= 0:
         return 0
-    return next((s for s in TREE_SIZES if s >= k), TREE_SIZES[-1])
+    return next((s for s in sizes if s >= k), sizes[-1])
 
 
 class NgramDrafter:
@@ -109,7 +119,7 @@ def proposal_tree(
 
     Args:
         proposal: n-gram candidates.
-        size: nodes of the tree (one of :data:`TREE_SIZES`).
+        size: nodes of the tree (the proposal's best, padded with extra roots beyond its own nodes).
         depth_bound: the deepest a proposal may go (the tree's depth bound).
         fixed_bounds: give the tree bounds that depend on ``size`` only (``(size, depth_bound)``), so
             a greedy target replays one graph per size; otherwise its exact bounds (sampling, where

@@ -189,8 +189,12 @@ class _Generation:
         self.ngram_scores, self.ngram_offset = [], tree.num_nodes
         if proposal is not None and self.plan.ngram_size:
             depth = self.ngram.drafter.settings.max_depth if self.ngram is not None else 0
+            padded = self.cost.padded  # for graphs: bounds that depend on the size only (greedy rounds)
             extra, self.ngram_scores = proposal_tree(
-                proposal, self.plan.ngram_size, depth, fixed_bounds=not self.params.sampling.do_sample
+                proposal,
+                self.plan.ngram_size,
+                depth,
+                fixed_bounds=padded and not self.params.sampling.do_sample,
             )
             tree = merge_trees(tree, extra) if dres is not None else extra
         return tree, dres

@@ -602,7 +602,12 @@ def serve_target(
     if draft_address:
         draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
                               tls_ca_file=draft_tls_ca_file, streams=draft_streams)  # fmt: skip
-    drafting = WorkerDrafting(drafter, ngram)
+    cfg = getattr(engine, "config", None)
+    graphs = (
+        bool(getattr(cfg, "cuda_graphs", False))
+        and getattr(getattr(engine, "device", None), "type", "") == "cuda"
+    )
+    drafting = WorkerDrafting(drafter, ngram, padded=graphs)
     servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers), tree_slots, drafting)
     server = _serve(
         "target", servicer, pb_grpc.add_TargetServiceServicer_to_server,

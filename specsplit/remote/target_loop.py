@@ -208,12 +208,14 @@ class WorkerDrafting:
     Args:
         default: the drafter of requests that name none (``specsplit serve target --drafter``).
         ngram: how n-gram trees are proposed.
+        padded: pad n-gram trees to a few sizes (the worker's target replays CUDA graphs).
     """
 
-    def __init__(self, default: str = "model", ngram: NgramConfig | None = None):
+    def __init__(self, default: str = "model", ngram: NgramConfig | None = None, padded: bool = True):
         if default not in DRAFTERS:
             raise ConfigError(f"drafter must be one of {DRAFTERS}, got {default!r}")
         self.default = default
+        self.padded = padded  # n-gram trees padded to a few sizes (a target on the CUDA-graph path)
         self.ngram = ngram or NgramConfig()
         self._plain = NgramDrafter(self.ngram, suffix=False)
         self._suffix = NgramDrafter(self.ngram, suffix=True)
@@ -287,6 +289,11 @@ def decode_params(
         drafter=mode,
         ngram=drafting.drafter(mode),
         cost=drafting.costs.get(
-            mode, repr(req.tree), req.tree.max_nodes, req.sampling.do_sample, drafting.ngram.max_nodes
+            mode,
+            repr(req.tree),
+            req.tree.max_nodes,
+            req.sampling.do_sample,
+            drafting.ngram.max_nodes,
+            drafting.padded,
         ),
     )
