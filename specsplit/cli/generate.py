@@ -26,6 +26,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="JSON/TOML SpecSplitConfig file")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
+        "--drafter",
+        choices=("model", "ngram", "suffix", "hybrid", "auto"),
+        default=None,
+        help="what drafts each round: the draft model, n-gram lookup in the prompt and output (ngram; "
+        "suffix: also earlier generations), both in one tree (hybrid), or a measured choice per round (auto)",
+    )
+    p.add_argument(
         "--tree", choices=["chain", "static", "dynamic"], default=None, help="shape of the draft tree"
     )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length K")

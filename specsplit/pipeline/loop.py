@@ -204,9 +204,12 @@ class _Generation:
         # Beside n-gram trees the model drafts deterministically (top-k expansion, q one-hot): every tree
         # of the generation is then verified against position-keyed draws, so seeded sampling commits
         # the same tokens whatever the planner chose each round.
+        # The tree keeps its usual depth near max_new_tokens (the commit is cut instead), so a round's
+        # tree, and under sampling its draws, are the same on every engine path and with or without
+        # speculation.
         sampling = self.params.sampling if self.mode == "model" else SamplingParams()
         req = DraftRequest(self.sid, self.draft_new, self.draft_prefix, self.params.tree, sampling,
-                           self.seeds[0], remaining - 1, self.capacity)  # fmt: skip
+                           self.seeds[0], None, self.capacity)  # fmt: skip
         dres: DraftResult | None = None
         try:
             dres = _with_recovery(self.transport.draft, req, self._full_context, self.stats)
@@ -238,7 +241,7 @@ class _Generation:
             and self.policy.speculate()
         ):
             job = self.pool.submit(self._timed_verify, vreq)
-            spec, spec_s = speculate(self.transport, self.sid, self.draft_prefix, p, self.seeds[0], remaining - 1,
+            spec, spec_s = speculate(self.transport, self.sid, self.draft_prefix, p, self.seeds[0], None,
                                      self.capacity)  # fmt: skip
             vres, t2 = job.result()
         else:
@@ -268,8 +271,9 @@ class _Generation:
             self.ngram.extend(kept)
         self.target_prefix, self.pending = vres.prefix_length, [vres.next_token_id]
         hit = None
-        if spec is not None:
-            hit = not stopped and spec.assumed_token_ids == new and len(kept) == len(new)
+        finished = stopped or len(self.out) >= self.params.max_new_tokens
+        if spec is not None and not finished:  # a speculation for a round that never comes is no miss
+            hit = spec.assumed_token_ids == new and len(kept) == len(new)
             self.stats.spec_rounds += 1
             self.stats.spec_hits += hit
         if hit:

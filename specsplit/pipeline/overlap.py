@@ -120,7 +120,7 @@ def speculate(
     prefix: int,
     params: DecodeParams,
     seed: int | None,
-    budget: int,
+    budget: int | None,
     capacity: int,
 ) -> tuple[DraftResult | None, float]:
     """Draft the next round assuming this one accepts the main path (runs beside verification).
