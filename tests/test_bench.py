@@ -448,10 +448,16 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
         assert [d.name for d in decs] == ["specsplit-dynamic", *built] and set(skipped) == plain_prefill
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
-            if not d.name.endswith("-compiled"):  # the plain gRPC A/B pairs: graphs only with --cuda-graphs
+            if not d.name.endswith(
+                "-compiled"
+            ):  # plain A/B pairs and drafters: graphs only with --cuda-graphs
                 assert d.name.removesuffix("-unary").removesuffix("-noipc") in (
                     "specsplit-grpc-dynamic",
                     "specsplit-grpc-targetloop-dynamic",
+                    "specsplit-ngram",
+                    "specsplit-suffix",
+                    "specsplit-hybrid",
+                    "specsplit-auto",
                 )
                 assert "torch.compile" not in d.label and not d.shape_warmup
                 assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
@@ -663,6 +669,8 @@ _OPTIONAL_NAMES = (
     "specsplit-grpc-targetloop-dynamic", "specsplit-grpc-dynamic-unary", "specsplit-grpc-targetloop-dynamic-unary",
     "specsplit-grpc-targetloop-dynamic-noipc", "specsplit-target-only-prefill", "specsplit-dynamic-prefill",
     "specsplit-target-only-prefill-compiled", "specsplit-dynamic-prefill-compiled",
+    "specsplit-ngram", "specsplit-ngram-compiled", "specsplit-suffix", "specsplit-suffix-compiled",
+    "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
 )  # fmt: skip
 
 
@@ -674,7 +682,10 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
     assert tuple(DECODERS) == _DEFAULT_NAMES + _OPTIONAL_NAMES
     assert DEFAULT_DECODERS == _DEFAULT_NAMES and OPTIONAL_DECODERS == _OPTIONAL_NAMES
     for name, spec in DECODERS.items():
-        assert spec.name == name and spec.drafter == "model"
+        assert spec.name == name
+        assert spec.drafter == next(
+            (d for d in ("ngram", "suffix", "hybrid", "auto") if f"-{d}" in name), "model"
+        )
         assert (spec.kind == "hf") == name.startswith("hf-")
         if spec.kind == "hf":
             continue
@@ -695,7 +706,8 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("unary calls" in label) == (spec.grpc_streams is False) == name.endswith("-unary"), name
         assert ("no tree slots" in label) == (not spec.tree_ipc) == name.endswith("-noipc"), name
         assert ("without a draft" in label) == spec.target_only == ("target-only" in name), name
-        assert spec.tree == ("static" if "static" in name else "dynamic" if "dynamic" in name else "chain")
+        model_tree = "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"  # drafters: the dynamic tree
+        assert spec.tree == ("static" if "static" in name else "dynamic" if "dynamic" in name else model_tree)
 
 
 def test_spec_fields_drive_the_built_config() -> None:

@@ -122,7 +122,10 @@ def test_prefill_graphs_exact(llama_target, llama_draft_random, shape, compile):
     target = copy.deepcopy(llama_target).to(tdev)
     draft = copy.deepcopy(llama_draft_random).to(ddev)
     common = dict(
-        dtype="float32", cuda_graphs=True, graph_capacity=1024, compile=compile, prefill_graphs=True
+        dtype="float32",
+        cuda_graphs=True,
+        compile=compile,
+        tuning=EngineTuning(graph_capacity=1024, prefill_graphs=True),
     )
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
@@ -407,3 +410,38 @@ def test_tree_slot_sanitize_on_cuda_equals_cpu():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["ngram", "auto"])
+def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode):
+    """n-gram trees padded to a few sizes, verified by one-graph greedy rounds on a GPU: HF greedy's
+    tokens; under sampling, target-only sampling's tokens for the same seed (position-keyed draws)."""
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev) if mode == "auto" else None
+    cfg = SpecSplitConfig(
+        drafter=mode,
+        tree=TreeConfig(shape="dynamic", topk=2, width=2, budget=8, max_depth=3),
+        draft=DraftConfig(
+            device=ddev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)
+        ),
+        target=TargetConfig(
+            device=tdev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)
+        ),
+    )
+    ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17, 33, 81]])
+    ref = llama_target.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=32, do_sample=True, temperature=0.8, top_p=0.95)
+    plain_cfg = SpecSplitConfig(target=TargetConfig(device=tdev, dtype="float32"))
+    with SpecSplitGenerator(copy.deepcopy(llama_target).to(tdev), None, config=plain_cfg) as plain:
+        sampled_ref = plain.generate(ids, generator=torch.Generator().manual_seed(9), **kw)
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        for _ in range(2):
+            out = gen.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+        assert out.spec_stats.rounds_by_drafter().get("ngram", 0) > 0
+        assert torch.equal(gen.generate(ids, generator=torch.Generator().manual_seed(9), **kw), sampled_ref)
+        sizes = {key[0] for key in gen.target_engine._rounds}
+    assert sizes <= {0, 2, 4, 8, 16, 32}

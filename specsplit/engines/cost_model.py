@@ -11,6 +11,9 @@ machine and pair at hand:
 - acceptance: n-gram proposal scores are calibrated against how often nodes of that score were
   accepted; the model draft's tokens per round are an average over the rounds that used it.
 
+Costs are robust to one-off stalls (the first round of a shape captures a graph or compiles), and the
+calibrated acceptance is scaled by how the current generation's own proposals have fared.
+
 Each round it evaluates the arms the drafter mode allows — no speculation, an n-gram tree of each
 size, the model's tree, the model's tree with n-gram nodes merged in — and picks the best predicted
 ``E / T``. No speculation is an arm like the others, so when nothing pays the loop runs plain
@@ -24,7 +27,9 @@ Deterministic under test: :class:`FixedCosts` injects the costs, and nothing her
 from __future__ import annotations
 
 import bisect
+import statistics
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +39,7 @@ MODES = ("model", "ngram", "suffix", "hybrid", "auto")
 _CAL_BINS = 10
 _CAL_PRIOR = 4.0  # pseudo-observations at the raw score, per calibration bin
 _EMA = 0.2
-_STALL = 4.0  # a sample this many times the estimate is a stall (a capture, a compile), not a cost
+_WINDOW = 5  # samples a cost estimate keeps
 
 
 @dataclass(frozen=True)
@@ -77,39 +82,68 @@ class FixedCosts:
     model: float = float("inf")
 
 
+class _Estimate:
+    """A cost measured again and again, robust to one-off stalls (a graph capture, a compile, a page
+    fault): the smaller of the first two samples, then the median of the last few.
+
+    Args:
+        skip_first: drop the very first sample (the first round of a shape captures or compiles).
+    """
+
+    def __init__(self, skip_first: bool = False) -> None:
+        self._skip = skip_first
+        self.samples: deque[float] = deque(maxlen=_WINDOW)
+
+    def add(self, seconds: float) -> None:
+        if self._skip:
+            self._skip = False
+            return
+        self.samples.append(seconds)
+
+    @property
+    def trusted(self) -> bool:
+        """Two samples or more: a single stall can no longer be the estimate."""
+        return len(self.samples) >= 2
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        if len(self.samples) <= 2:
+            return min(self.samples)
+        return statistics.median(self.samples)
+
+
 class _Curve:
-    """Verification seconds by tree size, measured: an average per size, interpolated between sizes."""
+    """Verification seconds by tree size: a robust estimate per measured size, interpolated between
+    sizes and extrapolated beyond them; sizes measured fewer than twice borrow from the others."""
 
     def __init__(self) -> None:
-        self.mean: dict[int, float] = {}
-        self.samples: dict[int, int] = {}
+        self.sizes: dict[int, _Estimate] = {}
 
     def add(self, n: int, seconds: float) -> None:
-        seen = self.samples.get(n, 0)
-        self.samples[n] = seen + 1
-        if seen == 0:  # the first round of a size may capture a graph or compile: not its cost
-            return
-        old = self.mean.get(n)
-        if old is None:
-            self.mean[n] = seconds
-        elif seconds < _STALL * old:
-            self.mean[n] = old + _EMA * (seconds - old)
+        self.sizes.setdefault(n, _Estimate(skip_first=True)).add(seconds)
 
     def __call__(self, n: int) -> float | None:
-        if n in self.mean:
-            return self.mean[n]
-        xs = sorted(self.mean)
+        est = self.sizes.get(n)
+        if est is not None and est.trusted:
+            return est.value
+        known = {m: e.value for m, e in self.sizes.items() if e.trusted}
+        if not known:  # nothing trusted yet: any sample beats no estimate
+            known = {m: e.value for m, e in self.sizes.items() if e.value is not None}
+        mean: dict[int, float] = {m: v for m, v in known.items() if v is not None}
+        xs = sorted(mean)
         if not xs:
             return None
         i = bisect.bisect_left(xs, n)
         if 0 < i < len(xs):  # between two measured sizes
             a, b = xs[i - 1], xs[i]
-            return self.mean[a] + (self.mean[b] - self.mean[a]) * (n - a) / (b - a)
+            return mean[a] + (mean[b] - mean[a]) * (n - a) / (b - a)
         if len(xs) == 1:  # one size known: assume a forward grows slowly with its tree
-            return self.mean[xs[0]] * (1.0 + 0.01 * abs(n - xs[0]))
+            return mean[xs[0]] * (1.0 + 0.01 * abs(n - xs[0]))
         a, b = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1])
-        slope = max((self.mean[b] - self.mean[a]) / (b - a), 0.0)
-        return max(self.mean[a] + slope * (n - a), 0.0)
+        slope = max((mean[b] - mean[a]) / (b - a), 0.0)
+        return max(mean[a] + slope * (n - a), 0.0)
 
 
 @dataclass
@@ -170,8 +204,8 @@ class CostModel:
         self.sizes = tree_sizes(max_ngram, padded) if max_ngram > 0 else ()
         self.costs = costs
         self.verify = _Curve()
-        self.fixed: float | None = None
-        self.model_s: float | None = None
+        self._fixed = _Estimate()
+        self._model_cost = _Estimate()
         self.model_tau: float | None = None  # tokens a round with the model's tree alone
         self.merge_gain = 0.5  # share of the n-gram nodes' expected gain a merged tree keeps
         self.cal = _Calibration()
@@ -182,6 +216,11 @@ class CostModel:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ costs
+    @property
+    def fixed(self) -> float | None:
+        """The loop's own seconds a round outside the verify call (measured)."""
+        return self._fixed.value
+
     def _t_fixed(self) -> float:
         if self.costs is not None:
             return self.costs.fixed
@@ -193,34 +232,46 @@ class CostModel:
         t = self.verify(n)
         return t if t is not None else 1.0
 
+    @property
+    def model_s(self) -> float | None:
+        """Seconds a model draft adds to a round (measured; None before any model round)."""
+        return self._model_cost.value
+
     def _t_model(self) -> float | None:
         if self.costs is not None:
             return self.costs.model
         return self.model_s
 
     # ------------------------------------------------------------------ planning
-    def expected_curve(self, scores: Sequence[float]) -> list[float]:
-        """``curve[k]``: calibrated expected tokens of a round verifying the ``k`` best-scored nodes."""
+    def expected_curve(self, scores: Sequence[float], scale: float = 1.0) -> list[float]:
+        """``curve[k]``: calibrated expected tokens of a round verifying the ``k`` best-scored nodes.
+
+        Args:
+            scores: the proposal's node scores.
+            scale: how this generation's proposals have fared against the calibration so far
+                (accepted over predicted): one prompt copies its input, another never repeats.
+        """
         out = [1.0]
         for s in sorted(scores, reverse=True):
-            out.append(out[-1] + self.cal.p(s))
+            out.append(out[-1] + min(scale * self.cal.p(s), 1.0))
         return out
 
-    def plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
+    def plan(self, scores: Sequence[float], model_available: bool, scale: float = 1.0) -> RoundPlan:
         """This round's drafting, from the n-gram proposal's scores (empty: no match).
 
         Args:
             scores: scores of the n-gram proposal's nodes (any order).
             model_available: a model draft can run this round.
+            scale: this generation's accepted-over-predicted ratio (:meth:`expected_curve`).
         """
         with self._lock:
-            return self._plan(scores, model_available)
+            return self._plan(scores, model_available, scale)
 
-    def _plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
+    def _plan(self, scores: Sequence[float], model_available: bool, scale: float) -> RoundPlan:
         mode = self.mode
         if mode == "model":
             return RoundPlan(model=model_available, ngram_size=0)
-        curve = self.expected_curve(scores)
+        curve = self.expected_curve(scores, scale)
         fixed = self._t_fixed()
         arms = [RoundPlan(False, 0, 1.0, fixed + self._t_verify(0))]
         arms += [
@@ -290,8 +341,7 @@ class CostModel:
                 self._observe_model(plan, nodes, draft_s, verify_s, committed, ngram_scores)
             else:
                 self.verify.add(nodes, verify_s)
-                fixed = max(round_s - verify_s, 0.0)
-                self.fixed = fixed if self.fixed is None else self.fixed + _EMA * (fixed - self.fixed)
+                self._fixed.add(max(round_s - verify_s, 0.0))
                 if plan.ngram_size:
                     self.cal.add(ngram_scores, ngram_accepted)
 
@@ -309,11 +359,7 @@ class CostModel:
         # A model draft's cost is its call plus what its GPU work adds to the verify call (which
         # waits for it); with no plain verification of this size measured yet, the call alone.
         t_v = self.verify(nodes)
-        cost = draft_s + (max(verify_s - t_v, 0.0) if t_v is not None else 0.0)
-        if self.model_s is None:
-            self.model_s = cost
-        elif cost < _STALL * self.model_s:
-            self.model_s += _EMA * (cost - self.model_s)
+        self._model_cost.add(draft_s + (max(verify_s - t_v, 0.0) if t_v is not None else 0.0))
         if plan.ngram_size == 0:
             tau = float(committed)
             self.model_tau = tau if self.model_tau is None else self.model_tau + _EMA * (tau - self.model_tau)

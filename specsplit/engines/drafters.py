@@ -140,8 +140,8 @@ def proposal_tree(
         z(depths, dtype=torch.long),
         torch.zeros(size, dtype=torch.float32),
     )
-    if fixed_bounds:
-        tree.max_branch, tree.depth_bound = size, max(depth_bound, top.max_depth)
+    if fixed_bounds:  # a tree of `size` nodes is at most `size` deep: the walk of its path stays short
+        tree.max_branch, tree.depth_bound = size, min(max(depth_bound, top.max_depth), size)
     else:
         roots = sum(1 for p in parents if p < 0)
         tree.max_branch, tree.depth_bound = max(top.max_branch, roots), max(top.max_depth, 1 if size else 0)

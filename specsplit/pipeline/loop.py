@@ -114,7 +114,7 @@ def decode_rounds(
                 t0, t1 = t0 + gap, t1 + gap
             vres, t2, spec, spec_s = g.verify(tree, dres, remaining)  # 2. verify (+ speculate N+1)
             kept, stopped, hit = g.commit(vres, spec, remaining)  # 3. commit
-            rs = g.record(vres, dres, kept, hit, t0, t1, t2, spec_s)  # 4. record
+            rs = g.record(vres, dres, kept, hit, t0, t1, t2, spec_s, remaining)  # 4. record
             if defer_updates and not stopped:
                 deferred = (kept, rs)
                 continue
@@ -156,6 +156,11 @@ class _Generation:
         self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
         self.ngram_scores: list[float] = []
         self.ngram_offset = 0  # index of the first n-gram node in the round's tree
+        # This generation's n-gram record: accepted nodes against the calibrated prediction (scales
+        # the planner's acceptance to this prompt), and a backoff on proposing at all while the
+        # proposals do not pay (a proposal costs host time the GPU waits for).
+        self.ng_accepted, self.ng_predicted = 0.0, 0.0
+        self.ng_backoff, self.ng_skip = 0, 0
         self.use_draft = transport.has_draft
         self.pending_len = 0  # pending tokens of the round being verified
         self.draft_prefix, self.draft_new = 0, list(prompt)  # what the draft holds / has not seen
@@ -176,11 +181,18 @@ class _Generation:
         if self.ready is not None:
             spec, self.ready = self.ready, None
             return spec.tree, spec
-        proposal = self.ngram.propose() if self.ngram is not None else None
-        if proposal is not None:
-            self.plan = self.cost.plan(proposal.scores, self.use_draft)
-        else:
+        proposal = None
+        if self.ngram is None:
             self.plan = RoundPlan(model=self.use_draft, ngram_size=0)
+        else:
+            if self.ng_skip > 0:
+                self.ng_skip -= 1
+            else:
+                proposal = self.ngram.propose()
+            scale = (self.ng_accepted + 1.0) / (self.ng_predicted + 1.0)
+            self.plan = self.cost.plan(proposal.scores if proposal else [], self.use_draft, scale)
+            if proposal is not None and proposal.num_nodes and not self.plan.ngram_size:
+                self._back_off()  # the planner declined this prompt's proposals
         tree, dres = TokenTree.empty(), None
         if self.plan.model:
             dres = self._model_draft(remaining)
@@ -294,15 +306,18 @@ class _Generation:
         t1: float,
         t2: float,
         spec_s: float,
+        remaining: int,
     ) -> RoundStats:
         t3 = time.perf_counter()
         if self.pool is not None:
             self.policy.record(t3 - t0, len(kept))
         server = (dres.stats.busy_s if dres else 0.0) + vres.stats.busy_s
+        # A tree keeps its usual depth near max_new_tokens: drafted and accepted tokens past the
+        # end do not count (the same statistics as a draft cut to the tokens still wanted).
         rs = RoundStats(
-            accepted=len(vres.accepted_token_ids),
+            accepted=min(len(vres.accepted_token_ids), remaining - 1),
             committed=len(kept),
-            drafted_depth=vres.num_drafted,
+            drafted_depth=min(vres.num_drafted, remaining - 1),
             tree_nodes=vres.num_nodes,
             draft_s=t1 - t0,
             verify_s=t2 - t1,
@@ -319,9 +334,21 @@ class _Generation:
             start = self.ngram_offset
             acc = set(vres.accepted_node_indices)
             flags = [start + i in acc for i in range(len(self.ngram_scores))]
+            if self.plan.ngram_size and not self.plan.model:
+                self.ng_predicted += self.cost.expected_curve(self.ngram_scores)[-1] - 1.0
+                self.ng_accepted += sum(flags)
+                if any(flags):
+                    self.ng_backoff = 0
+                else:
+                    self._back_off()
             self.cost.observe(self.plan, vres.num_nodes, rs.verify_s, t3 - t0, rs.draft_s,
                               len(vres.accepted_token_ids) + 1, self.ngram_scores, flags)  # fmt: skip
         return rs
+
+    def _back_off(self) -> None:
+        """Skip proposing for the next 1, 2, then 4 rounds (reset by an accepted n-gram node)."""
+        self.ng_backoff = min(max(1, 2 * self.ng_backoff), 4)
+        self.ng_skip = self.ng_backoff
 
     def close(self) -> None:
         """End the session on both sides (a failure here only logs: the TTL frees it anyway)."""
