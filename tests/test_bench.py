@@ -784,7 +784,7 @@ def test_command_line_spells_the_shared_flag_names() -> None:
     """The recorded command uses the names every command shares and parses back to the same run."""
     import shlex
 
-    from specsplit.cli.bench import _command_line, _options
+    from specsplit.bench.cli import _command_line, _options
     from specsplit.cli.main import build_parser
 
     argv = ["bench", "--suite", "smoke", "--cuda-graphs", "--no-graph-rounds", "--no-prefill-graphs",

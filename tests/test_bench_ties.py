@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specsplit.bench.cli import _rerender
 from specsplit.bench.models import tiny_models
 from specsplit.bench.run import BenchOptions, run_bench
 from specsplit.bench.ties import TiePair, analyze_mismatches, bench_tie_analysis, fp32_copy, to_markdown
-from specsplit.cli.bench import _rerender
 
 J = 6  # the first differing new token in the constructed pairs
 

@@ -18,9 +18,15 @@ machines. The output is exactly the target's (greedy) or follows its distributio
   specsplit bench --suite quick                         compare against Hugging Face baselines
 """
 
-# Sub-command modules, each with add_cli(subparsers). `serve` needs the grpc extra and `bench` the
-# benchmark harness: a command whose module cannot be imported is left out (and named in --help).
-COMMANDS = ("generate", "serve", "models", "bench")
+# Sub-command modules, each with add_cli(subparsers), loaded by name: `serve` needs the grpc extra, and
+# `bench` lives with the optional benchmark harness (nothing outside it imports it). A command whose
+# module cannot be imported is left out (and named in --help).
+COMMANDS = {
+    "generate": "specsplit.cli.generate",
+    "serve": "specsplit.cli.serve",
+    "models": "specsplit.cli.models",
+    "bench": "specsplit.bench.cli",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     missing = []
-    for name in COMMANDS:
+    for name, module in COMMANDS.items():
         try:
-            mod = importlib.import_module(f"specsplit.cli.{name}")
+            mod = importlib.import_module(module)
         except ImportError as e:  # optional parts (the grpc extra) may be missing
             logging.getLogger(__name__).debug("`specsplit %s` unavailable: %s", name, e)
             missing.append(f"{name} ({e})")
