@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from specsplit.config import SpecSplitConfig
+from specsplit.config import Drafter, SpecSplitConfig
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.cost_model import CostModels
 from specsplit.engines.draft import DraftEngine
@@ -23,6 +24,11 @@ from specsplit.telemetry import SpecStats
 from specsplit.transport import Transport
 
 logger = logging.getLogger(__name__)
+
+# What from_pretrained() and `specsplit generate` draft with unless told otherwise: the fastest lossless
+# mode measured on CPU and GPU (benchmarks/RESULTS.md, "Drafters").
+DEFAULT_DRAFTER: Drafter = "auto"
+DRAFTER_ENV = "SPECSPLIT_DRAFTER"
 
 # GenerationConfig fields we honour; others that change the distribution are refused or warned about.
 _UNSUPPORTED_IF_SET: dict[str, Any] = {
@@ -146,11 +152,16 @@ class SpecSplitGenerator:
     ) -> SpecSplitGenerator:
         """Load from aliases (``qwen2.5-coder-1.5b``), local directories or HF ids.
 
+        Without a ``config`` (and without ``SPECSPLIT_DRAFTER``) the drafter is ``"auto"``: n-gram
+        trees where the text repeats, the draft model's tree where it pays, plain steps otherwise.
+
         In gRPC mode no weights are loaded; ``tokenizer`` (or ``target``) only names the tokenizer.
         """
         from specsplit.models import load_tokenizer
 
         cfg = copy.deepcopy(config) if config is not None else SpecSplitConfig.from_env()
+        if config is None and DRAFTER_ENV not in os.environ:
+            cfg.drafter = DEFAULT_DRAFTER
         tok_src = tokenizer if tokenizer is not None else target
         tok = load_tokenizer(tok_src) if isinstance(tok_src, str) else tok_src
         if cfg.transport == "grpc":

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specsplit.bench.decoders import DEFAULT_DECODERS, OPTIONAL_DECODERS
-from specsplit.bench.report import write_plot
+from specsplit.bench.decoders import ASSISTED, BASELINE, DEFAULT_DECODERS, OPTIONAL_DECODERS
+from specsplit.bench.report import RunRecord, summarize, write_plot
 from specsplit.bench.run import (
     DEFAULT_PROMPTS,
     SCHEMA,
@@ -142,6 +142,12 @@ def _rerender(path: Path) -> int:
     if result.get("schema") != SCHEMA:
         print(f"specsplit bench: {path} is not a {SCHEMA} results file", file=sys.stderr)
         return 2
+    # The summary again from the per-run records: a report of an older run gains what the
+    # summary has learned to show since (the JSON keeps the records it was computed from).
+    records = [RunRecord(**r) for r in result.get("runs", [])]
+    cfg = result.get("config", {})
+    if records and cfg.get("decoders") and cfg.get("categories"):
+        result["summary"] = summarize(records, cfg["decoders"], cfg["categories"], BASELINE, ASSISTED)
     md, png = path.with_suffix(".md"), path.with_suffix(".png")
     md.write_text(_markdown(result), encoding="utf-8")
     print(f"wrote md: {md}")

@@ -159,7 +159,24 @@ def scope_metrics(
         "time_split_ms_per_round": split,
         "overlap_hit_rate": _hit_rate(recs),
         "overlap_spec_rounds": sum((x.split_s or {}).get("spec_rounds", 0.0) for x in recs),
+        "drafters": _drafters(recs),
     }
+
+
+def _drafters(recs: Sequence[RunRecord]) -> dict[str, dict[str, float]] | None:
+    """Per drafter (``model``, ``ngram``, ``hybrid``, ``none``): its rounds and its own draft time per
+    round in milliseconds (from the ``rounds_<kind>`` / ``draft_<kind>_s`` split keys)."""
+    out: dict[str, dict[str, float]] = {}
+    for x in recs:
+        for key, value in (x.split_s or {}).items():
+            if key.startswith("rounds_"):
+                kind = key.removeprefix("rounds_")
+                row = out.setdefault(kind, {"rounds": 0.0, "draft_s": 0.0})
+                row["rounds"] += value
+                row["draft_s"] += (x.split_s or {}).get(f"draft_{kind}_s", 0.0)
+    for row in out.values():
+        row["draft_ms_per_round"] = 1000.0 * row["draft_s"] / row["rounds"] if row["rounds"] else 0.0
+    return out or None
 
 
 def _hit_rate(recs: Sequence[RunRecord]) -> float | None:
@@ -377,6 +394,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             if pp:
                 cells = [f"{p:.2f}" for p in pp] + ["–"] * (depth - len(pp))
                 lines.append(f"| `{d}` | {_fmt(summary[d]['overall']['tau'])} | " + " | ".join(cells) + " |")
+    lines += _drafter_lines(summary, decs, cats)
     mism = {
         d: summary[d]["overall"]["mismatched_prompts"]
         for d in decs
@@ -387,6 +405,30 @@ def to_markdown(result: dict[str, Any]) -> str:
         for d, ids in mism.items():
             lines.append(f"- `{d}`: {', '.join(ids)}")
     return "\n".join(lines) + "\n"
+
+
+def _drafter_lines(summary: dict[str, Any], decs: Sequence[str], cats: Sequence[str]) -> list[str]:
+    """Rounds by drafter and each drafter's own time per round, per decoder and category."""
+    rows = [(d, c) for d in decs for c in ("overall", *cats) if _scope(summary, d, c).get("drafters")]
+    if not rows:
+        return []
+    kinds = sorted({k for d, c in rows for k in _scope(summary, d, c)["drafters"]})
+    lines = ["", "## Drafting: rounds by drafter (share) and its draft time per round", ""]
+    lines += ["| decoder | scope | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
+    for d, c in rows:
+        dr = _scope(summary, d, c)["drafters"]
+        total = sum(v["rounds"] for v in dr.values()) or 1.0
+        cells = [
+            f"{dr[k]['rounds'] / total:.0%}, {dr[k]['draft_ms_per_round']:.3f} ms" if k in dr else "–"
+            for k in kinds
+        ]
+        lines.append(f"| `{d}` | {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _scope(summary: dict[str, Any], decoder: str, scope: str) -> dict[str, Any]:
+    entry = summary[decoder]
+    return dict(entry["overall"] if scope == "overall" else entry["by_category"].get(scope) or {})
 
 
 # --------------------------------------------------------------------------------------------- plot

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -30,7 +31,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         choices=("model", "ngram", "suffix", "hybrid", "auto"),
         default=None,
         help="what drafts each round: the draft model, n-gram lookup in the prompt and output (ngram; "
-        "suffix: also earlier generations), both in one tree (hybrid), or a measured choice per round (auto)",
+        "suffix: also earlier generations), both in one tree (hybrid), or a measured choice per round "
+        "(auto, the default: n-gram trees, and the --draft model where it pays)",
     )
     p.add_argument(
         "--tree", choices=["chain", "static", "dynamic"], default=None, help="shape of the draft tree"
@@ -61,12 +63,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.config import SpecSplitConfig
-    from specsplit.generator import SpecSplitGenerator
+    from specsplit.generator import DEFAULT_DRAFTER, DRAFTER_ENV, SpecSplitGenerator
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
     if args.drafter:
         cfg.drafter = args.drafter
+    elif not args.config and DRAFTER_ENV not in os.environ:
+        cfg.drafter = DEFAULT_DRAFTER
     if args.tree:
         cfg.tree.shape = args.tree
     if args.num_draft_tokens is not None:

@@ -1,0 +1,71 @@
+"""n-gram drafting over gRPC: the client loop sends n-gram trees to a target worker with no draft worker,
+and a target worker running the rounds (``grpc_loop="target"``) drafts n-grams itself — no draft
+worker, no draft hop. Same tokens as local mode; the rounds say what drafted them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("grpc")
+
+import grpc  # noqa: E402
+from remote_support import load_saved  # noqa: E402
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator, TargetEngine, TreeConfig  # noqa: E402
+from specsplit.core.sampling import SamplingParams  # noqa: E402
+from specsplit.remote import convert, serve_target  # noqa: E402
+from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
+from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# A prompt that repeats itself: prompt lookup finds matches from the first round on.
+PROMPT = [5, 17, 33, 81, 9, 100, 5, 17, 33, 81, 9, 100, 5, 17]
+
+
+@pytest.fixture(scope="module")
+def target_model(model_dirs: tuple[Path, Path]) -> torch.nn.Module:
+    return load_saved(model_dirs[0])
+
+
+@pytest.mark.parametrize("loop", ["client", "target"])
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.8, "top_p": 0.95}])
+def test_ngram_over_grpc_equals_local(target_model, loop: str, sampling: dict) -> None:
+    ids = torch.tensor([PROMPT])
+    kw = dict(max_new_tokens=32, return_dict_in_generate=True, **sampling)
+    with SpecSplitGenerator(target_model, None, config=SpecSplitConfig(drafter="ngram")) as local:
+        ref = local.generate(ids, generator=torch.Generator().manual_seed(5), **kw)
+    with serve_target(TargetEngine(target_model)) as srv:  # no --draft-address: no draft worker at all
+        cfg = SpecSplitConfig(transport="grpc", target_address=srv.address, drafter="ngram", grpc_loop=loop)
+        with SpecSplitGenerator(config=cfg) as gen:
+            out = gen.generate(ids, generator=torch.Generator().manual_seed(5), **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    by = out.spec_stats.rounds_by_drafter()
+    assert by.get("ngram", 0) > 0, by  # trees were drafted (by the client, or by the worker itself)
+    assert not out.spec_stats.draft_fallback
+
+
+def test_worker_default_drafter_serves_requests_that_name_none(target_model) -> None:
+    """``specsplit serve target --drafter ngram``: a ``Generate`` request with no drafter drafts n-grams."""
+    with (
+        serve_target(TargetEngine(target_model), drafter="ngram") as srv,
+        grpc.insecure_channel(srv.address) as ch,
+    ):
+        stub = pb_grpc.TargetServiceStub(ch)
+        greedy, chain = (
+            convert.sampling_to_proto(SamplingParams()),
+            convert.tree_config_to_proto(TreeConfig()),
+        )
+        req = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=24, sampling=greedy, tree=chain)
+        rounds = [r for resp in stub.Generate(req, timeout=60) for r in resp.rounds]
+        with pytest.raises(grpc.RpcError) as err:
+            list(
+                stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4, drafter="magic"))
+            )
+    assert {r.drafter for r in rounds} >= {"ngram"}
+    assert sum(len(r.token_ids) for r in rounds) == 24
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
