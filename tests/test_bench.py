@@ -706,7 +706,9 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("unary calls" in label) == (spec.grpc_streams is False) == name.endswith("-unary"), name
         assert ("no tree slots" in label) == (not spec.tree_ipc) == name.endswith("-noipc"), name
         assert ("without a draft" in label) == spec.target_only == ("target-only" in name), name
-        model_tree = "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"  # drafters: the dynamic tree
+        model_tree = (
+            "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
+        )  # drafters: the dynamic tree
         assert spec.tree == ("static" if "static" in name else "dynamic" if "dynamic" in name else model_tree)
 
 
