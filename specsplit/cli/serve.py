@@ -3,11 +3,15 @@
 Prints exactly one line ``READY <port>`` to stdout once the worker accepts calls (scripts and tests
 wait for it; with ``--port 0`` it names the port picked). SIGTERM and SIGINT stop the worker
 gracefully: new calls are refused, in-flight ones get ``--grace`` seconds to finish.
+
+Safe by default: the worker binds 127.0.0.1; binding any other interface needs TLS and a token
+(``--tls-cert/--tls-key`` and ``--auth-token-file``) unless ``--insecure`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -30,7 +34,17 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("role", choices=["draft", "target"], help="which engine to run")
     p.add_argument("--model", required=True, help="alias, local directory or HF id")
     p.add_argument("--port", type=int, default=50051, help="TCP port (0 picks a free one)")
-    p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind (default 127.0.0.1; any other needs TLS and a token, or --insecure)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS or without a token (anyone who reaches the port "
+        "can use the worker and read its traffic)",
+    )
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda:0 or cpu)")
     add_engine_flags(p)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS, needs --tls-key)")
@@ -38,14 +52,62 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--auth-token-file",
         default=None,
-        help="file holding the bearer token clients must send (or set SPECSPLIT_AUTH_TOKEN)",
+        help="file holding the bearer token clients must send, or one 'name:token' line per client "
+        "(each client's sessions are its own); or set SPECSPLIT_AUTH_TOKEN",
     )
-    p.add_argument("--max-sessions", type=int, default=None, help="LRU bound on live sessions")
+    p.add_argument("--max-sessions", type=int, default=None, help="most live sessions (default 64)")
     p.add_argument("--session-ttl", type=float, default=None, help="seconds before an idle session expires")
-    p.add_argument("--max-workers", type=int, default=8, help="concurrent request threads")
+    p.add_argument(
+        "--max-sessions-per-client",
+        type=int,
+        default=None,
+        help="live sessions one named client may hold (default: all, or half with several clients)",
+    )
+    p.add_argument(
+        "--evict-idle",
+        type=float,
+        default=30.0,
+        help="a full worker evicts only sessions idle this many seconds; new sessions are refused otherwise",
+    )
+    p.add_argument("--max-workers", type=int, default=8, help="calls served at once (streams included)")
+    p.add_argument(
+        "--max-queued", type=int, default=None, help="calls waiting for a slot (default: --max-workers)"
+    )
+    p.add_argument(
+        "--max-calls-per-client",
+        type=int,
+        default=None,
+        help="calls one named client may have open (default: all, or half with several clients)",
+    )
+    p.add_argument(
+        "--compute-slots",
+        type=int,
+        default=None,
+        help="engine calls running at once, shared fairly between clients (default: 1 on CPU, 2 on GPU)",
+    )
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued call waits for a slot")
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before an idle request stream is closed",
+    )
+    p.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        help="KV cache all sessions may hold (default: 80%% of the GPU memory free after loading, or half "
+        "the host's available memory); sessions past it are refused",
+    )
     p.add_argument("--max-message-mb", type=float, default=16.0, help="largest request or response")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree accepted")
     p.add_argument("--max-tree-depth", type=int, default=64, help="deepest tree accepted")
+    p.add_argument(
+        "--max-tree-work",
+        type=int,
+        default=65536,
+        help="most nodes x depth x width a requested tree may cost",
+    )
     p.add_argument("--max-context", type=int, default=32768, help="most tokens one session may hold")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument(
@@ -119,6 +181,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def _read_token(file: str | None, env: str, flag: str) -> str | None:
+    """A single token from ``file`` or the environment variable ``env``, trimmed alike."""
     from specsplit.errors import ConfigError
 
     if file:
@@ -129,7 +192,46 @@ def _read_token(file: str | None, env: str, flag: str) -> str | None:
         if not token:
             raise ConfigError(f"{flag} {path} is empty")
         return token
-    return os.environ.get(env) or None
+    return (os.environ.get(env) or "").strip() or None
+
+
+def _client_tokens(file: str | None) -> Any:
+    """The worker's accepted tokens: ``--auth-token-file`` (one token or named clients) or
+    ``SPECSPLIT_AUTH_TOKEN``; ``None`` when neither is set."""
+    from specsplit.remote.clients import ClientTokens
+
+    if file:
+        return ClientTokens.from_file(file)
+    token = _read_token(None, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
+    return ClientTokens.single(token) if token else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the worker reachable from this machine only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, tls: bool, token: bool, insecure: bool) -> None:
+    """Refuse a non-loopback bind without TLS and a token unless ``--insecure``."""
+    from specsplit.errors import ConfigError
+
+    if is_loopback(host) or (tls and token) or insecure:
+        if not is_loopback(host) and not (tls and token):
+            logger.warning("serving on %s without %s (--insecure)", host, "TLS" if not tls else "a token")
+        return
+    missing = " and ".join(
+        w for w, ok in (("TLS (--tls-cert/--tls-key)", tls), ("a token (--auth-token-file)", token)) if not ok
+    )
+    raise ConfigError(
+        f"--host {host} exposes the worker beyond this machine without {missing}; "
+        "add them, bind 127.0.0.1, or pass --insecure"
+    )
 
 
 def _load(args: argparse.Namespace) -> torch.nn.Module:
@@ -167,13 +269,27 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from specsplit.config import DraftConfig, TargetConfig
     from specsplit.errors import ConfigError
-    from specsplit.remote.server import ServerLimits, serve_draft, serve_target
+    from specsplit.remote.admission import AdmissionLimits
+    from specsplit.remote.server import ServerLimits
+    from specsplit.remote.worker import serve_draft, serve_target
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     check_engine_flags(args)
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
-    token = _read_token(args.auth_token_file, "SPECSPLIT_AUTH_TOKEN", "--auth-token-file")
+    token = _client_tokens(args.auth_token_file)
+    check_exposure(args.host, tls is not None, token is not None, args.insecure)
+    try:
+        admission = AdmissionLimits(
+            max_calls=args.max_workers,
+            max_queued=args.max_workers if args.max_queued is None else args.max_queued,
+            max_calls_per_client=args.max_calls_per_client,
+            queue_timeout_s=args.queue_timeout,
+            compute_slots=args.compute_slots,
+            stream_idle_s=args.stream_idle_timeout,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     draft_peer: dict[str, Any] = {}
     if args.role == "draft" and (
         args.draft_address
@@ -210,6 +326,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_tree_nodes=args.max_tree_nodes,
         max_tree_depth=args.max_tree_depth,
         max_context=args.max_context,
+        max_tree_work=args.max_tree_work,
+        kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
+        max_sessions_per_client=args.max_sessions_per_client,
+        evict_idle_s=args.evict_idle,
     )
     engine: object
     if args.role == "draft":
@@ -233,10 +353,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = TargetEngine(_load(args), config=tcfg)
     if args.role == "draft":
         server = serve_draft(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
-                             auth_token=token, limits=limits)  # fmt: skip
+                             auth_token=token, limits=limits, admission=admission)  # fmt: skip
     else:
         server = serve_target(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
-                              auth_token=token, limits=limits, **draft_peer)  # fmt: skip
+                              auth_token=token, limits=limits, admission=admission, **draft_peer)  # fmt: skip
 
     stop = threading.Event()
 
@@ -251,7 +371,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(
         f"[specsplit] {args.role} worker: {info.model_name} ({info.dtype}, {info.device}, vocab "
         f"{info.vocab_size}) on {args.host}:{server.port}{' with TLS' if tls else ''}"
-        f"{', token required' if token else ''}"
+        f"{f', {len(token.names)} client token(s) required' if token else ''}"
         f"{f', runs rounds with the draft worker at {args.draft_address}' if args.draft_address else ''}",
         file=sys.stderr,
         flush=True,

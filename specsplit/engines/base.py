@@ -17,16 +17,27 @@ import torch
 
 from specsplit.config import DraftConfig, TargetConfig, resolved_attention_kernel
 from specsplit.core.tree_attention import build_verify_attention
-from specsplit.engines.sessions import SessionStore
+from specsplit.engines.sessions import KVBudget, SessionStore
 from specsplit.errors import CacheDesyncError, ResourceExhausted
 from specsplit.messages import WorkerInfo
 from specsplit.runtime.graphs import GraphedRound, Workspace
-from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.kv_cache import GROW_CHUNK, StaticKVCache
 from specsplit.runtime.runner import ModelRunner, sync_device
 
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S")  # a session's state
+
+# Slots a caller's capacity hint may allocate beyond what its request needs now. An honest hint
+# (prompt + max_new_tokens + tree) is then met by one allocation for most generations, while a
+# hint far beyond need (a bug, or a caller asking for 10**9 tokens) costs at most this much; the
+# cache grows by chunks as the session really grows.
+HINT_AHEAD = 1024
+
+
+def initial_capacity(need: int, hint: int) -> int:
+    """Slots to allocate for a session that needs ``need`` now and announced ``hint`` in total."""
+    return max(need, min(hint, need + HINT_AHEAD))
 
 
 def check_capacity(total: int, max_context: int) -> None:
@@ -81,9 +92,62 @@ class EngineBase(Generic[S]):
             self.runner, config.tuning.graph_capacity, use_graphs=True, compile=config.compile
         )
         self._rounds: dict[Any, GraphedRound] = {}  # whole rounds captured as one graph, by shape
+        self.kv_budget: KVBudget | None = None  # set by limit_memory (workers serving untrusted callers)
 
     def _on_evict(self, session_id: str, state: S) -> None:
         self._workspace.release(session_id)
+        if self.kv_budget is not None:
+            self.kv_budget.release(session_id)
+
+    # ------------------------------------------------------------------ memory limits
+    def limit_memory(self, budget_bytes: int | None, evict_idle_s: float = 0.0) -> None:
+        """Refuse what would pass a KV memory budget instead of taking memory from running sessions.
+
+        Args:
+            budget_bytes: the most bytes of KV cache all sessions may hold (the static workspace
+                of the CUDA-graph path is the engine's own and not counted); ``None``: no budget.
+            evict_idle_s: a full session store evicts only sessions idle this long and refuses
+                new sessions otherwise (see :class:`~specsplit.engines.sessions.SessionStore`).
+        """
+        self._store.evict_idle_s = evict_idle_s
+        self.kv_budget = None if budget_bytes is None else KVBudget(budget_bytes, self.kv_bytes_per_token)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one slot of a session costs (keys and values of every layer)."""
+        model: Any = self.runner.require()
+        cfg = getattr(model.config, "text_config", None) or model.config
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        itemsize = torch.empty(0, dtype=self.runner.dtype).element_size()
+        return 2 * self.runner.num_layers * kv_heads * head_dim * itemsize
+
+    def _open_session(self, session_id: str, capacity: int, create: Callable[[], S]) -> tuple[S, bool]:
+        """``get_or_create`` of the store, with ``capacity`` slots reserved in the KV budget first.
+
+        Raises:
+            ResourceExhausted: no room in the budget or the store (nothing changed).
+        """
+        budget = self.kv_budget
+        known = session_id in self._store
+        if budget is not None:  # rounded as the cache grows: by whole chunks
+            budget.reserve(session_id, -(-capacity // GROW_CHUNK) * GROW_CHUNK)
+        try:
+            return self._store.get_or_create(session_id, create)
+        except BaseException:
+            if budget is not None and not known:
+                budget.release(session_id)
+            raise
+
+    def _settle_kv(self, session_id: str, cache: StaticKVCache, static: bool) -> None:
+        """Record what a session's cache really holds after a request (the workspace: nothing)."""
+        if self.kv_budget is None or session_id not in self._store:
+            return
+        if static:
+            self.kv_budget.release(session_id)
+        else:
+            self.kv_budget.reserve(session_id, cache.capacity, force=True)
 
     # ------------------------------------------------------------------ lifecycle
     def load_model(self) -> None:

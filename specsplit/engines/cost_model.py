@@ -11,8 +11,8 @@ machine and pair at hand:
 - acceptance: n-gram proposal scores are calibrated against how often nodes of that score were
   accepted; the model draft's tokens per round are an average over the rounds that used it.
 
-Costs are robust to one-off stalls (the first round of a shape captures a graph or compiles), and the
-calibrated acceptance is scaled by how the current generation's own proposals have fared.
+Costs are robust to one-off stalls: the first round of a shape captures a graph or compiles, and a
+stall must never become a cost that keeps an arm from being tried again.
 
 Each round it evaluates the arms the drafter mode allows — no speculation, an n-gram tree of each
 size, the model's tree, the model's tree with n-gram nodes merged in — and picks the best predicted
@@ -243,35 +243,28 @@ class CostModel:
         return self.model_s
 
     # ------------------------------------------------------------------ planning
-    def expected_curve(self, scores: Sequence[float], scale: float = 1.0) -> list[float]:
-        """``curve[k]``: calibrated expected tokens of a round verifying the ``k`` best-scored nodes.
-
-        Args:
-            scores: the proposal's node scores.
-            scale: how this generation's proposals have fared against the calibration so far
-                (accepted over predicted): one prompt copies its input, another never repeats.
-        """
+    def expected_curve(self, scores: Sequence[float]) -> list[float]:
+        """``curve[k]``: calibrated expected tokens of a round verifying the ``k`` best-scored nodes."""
         out = [1.0]
         for s in sorted(scores, reverse=True):
-            out.append(out[-1] + min(scale * self.cal.p(s), 1.0))
+            out.append(out[-1] + self.cal.p(s))
         return out
 
-    def plan(self, scores: Sequence[float], model_available: bool, scale: float = 1.0) -> RoundPlan:
+    def plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
         """This round's drafting, from the n-gram proposal's scores (empty: no match).
 
         Args:
             scores: scores of the n-gram proposal's nodes (any order).
             model_available: a model draft can run this round.
-            scale: this generation's accepted-over-predicted ratio (:meth:`expected_curve`).
         """
         with self._lock:
-            return self._plan(scores, model_available, scale)
+            return self._plan(scores, model_available)
 
-    def _plan(self, scores: Sequence[float], model_available: bool, scale: float) -> RoundPlan:
+    def _plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
         mode = self.mode
         if mode == "model":
             return RoundPlan(model=model_available, ngram_size=0)
-        curve = self.expected_curve(scores, scale)
+        curve = self.expected_curve(scores)
         fixed = self._t_fixed()
         arms = [RoundPlan(False, 0, 1.0, fixed + self._t_verify(0))]
         arms += [

@@ -19,7 +19,7 @@ from specsplit.core.growth import DynamicShape, PlanTensors, grow_dynamic_tree, 
 from specsplit.core.sampling import SamplingParams, derive_seed, make_generator
 from specsplit.core.tree import StaticTreePlan, TokenTree
 from specsplit.core.tree_attention import bool_mask_to_float
-from specsplit.engines.base import EngineBase, desync_error
+from specsplit.engines.base import EngineBase, desync_error, initial_capacity
 from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
 from specsplit.messages import DraftRequest, DraftResult, WorkerStats
 from specsplit.runtime.graphs import GraphedRound, StaticForward, kv_bucket
@@ -117,9 +117,9 @@ class DraftEngine(EngineBase[DraftCacheState]):
                 )
         stats = WorkerStats(device=str(self.device))
         extra = req.tree.depth_limit + 1 if req.speculate else 0  # main path + guessed bonus
-        capacity = max(
-            min(req.capacity_hint, self.config.max_context),
+        capacity = initial_capacity(
             req.prefix_length + len(req.new_token_ids) + extra + req.tree.draft_slots + 8,
+            min(req.capacity_hint, self.config.max_context),
         )
         if req.speculate and (req.new_token_ids or req.prefix_length <= 0):
             raise InvalidRequest("a speculative draft request extends an existing session: "
@@ -141,8 +141,8 @@ class DraftEngine(EngineBase[DraftCacheState]):
             raise ResourceExhausted(f"context would exceed the draft's max_context={self.config.max_context}")
         if req.prefix_length > 0 and req.session_id not in self._store:
             raise SessionNotFound(f"draft session {req.session_id!r} not found; resend the full context")
-        state, existed = self._store.get_or_create(
-            req.session_id, lambda: self._new_state(req.session_id, capacity)
+        state, existed = self._open_session(
+            req.session_id, capacity, lambda: self._new_state(req.session_id, capacity)
         )
         with self._store.locked(req.session_id):
             assumed: list[int] = []
@@ -169,6 +169,7 @@ class DraftEngine(EngineBase[DraftCacheState]):
             finally:
                 state.kv_cache.rollback(committed)
             state.last_tree = tree
+            self._settle_kv(req.session_id, state.kv_cache, state.static)
         stats.wall_time_s = time.perf_counter() - t0
         return DraftResult(
             tree=tree,

@@ -1,7 +1,8 @@
-"""Session store shared by both engines: per-session locks, LRU bound, TTL expiry.
+"""Session store shared by both engines: per-session locks, LRU bound, TTL expiry, KV budget.
 
 The store only tracks objects; freeing a session drops the last reference to its KV cache, and
-an optional ``on_evict`` callback lets an engine return buffers to a pool.
+an optional ``on_evict`` callback lets an engine return buffers to a pool. :class:`KVBudget`
+accounts the KV slots each session may hold against a byte budget (a worker's memory limit).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from specsplit.errors import SessionNotFound
+from specsplit.errors import ResourceExhausted, SessionNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class SessionStore(Generic[T]):
         ttl_s: sessions idle longer than this are removed by :meth:`purge_stale` (and by the
             background thread started with :meth:`start_purger`).
         on_evict: called with ``(session_id, state)`` whenever a session leaves the store.
+        evict_idle_s: a full store evicts its least recently used session only when that session
+            has been idle this long; otherwise a new session is refused (``ResourceExhausted``), so
+            a burst of new sessions cannot push out the ones in use. 0: always evict (in-process use).
     """
 
     def __init__(
@@ -45,9 +49,11 @@ class SessionStore(Generic[T]):
         ttl_s: float,
         on_evict: Callable[[str, T], None] | None = None,
         name: str = "sessions",
+        evict_idle_s: float = 0.0,
     ):
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.evict_idle_s = evict_idle_s
         self._on_evict = on_evict
         self._name = name
         self._entries: OrderedDict[str, _Entry[T]] = OrderedDict()
@@ -78,14 +84,26 @@ class SessionStore(Generic[T]):
             return entry.state
 
     def get_or_create(self, session_id: str, factory: Callable[[], T]) -> tuple[T, bool]:
-        """``(state, existed)``; a new session may evict the least recently used one."""
+        """``(state, existed)``; a new session may evict the least recently used one.
+
+        Raises:
+            ResourceExhausted: the store is full and its least recently used session was used
+                within ``evict_idle_s`` (nothing changed).
+        """
         evicted: list[tuple[str, _Entry[T]]] = []
         with self._lock:
             entry = self._entries.get(session_id)
+            now = time.monotonic()
             if entry is not None:
-                entry.last_used = time.monotonic()
+                entry.last_used = now
                 self._entries.move_to_end(session_id)
                 return entry.state, True
+            if len(self._entries) >= self.max_sessions and self.evict_idle_s > 0:
+                oldest = next(iter(self._entries.values()))
+                if now - oldest.last_used < self.evict_idle_s:
+                    raise ResourceExhausted(
+                        f"{self._name}: all {self.max_sessions} sessions are in use; retry later"
+                    )
             while len(self._entries) >= self.max_sessions:
                 evicted.append(self._entries.popitem(last=False))
             state = factory()
@@ -191,3 +209,63 @@ class SessionStore(Generic[T]):
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+class KVBudget:
+    """Bytes of KV cache the sessions of one engine may hold together.
+
+    A session reserves the slots it may grow to before its cache is allocated or grown; a
+    reservation that would pass the budget is refused (``ResourceExhausted``) and changes
+    nothing, so a new session never pushes out memory that running ones hold. Reservations only
+    grow while the session lives and are returned when it leaves the store.
+
+    Args:
+        budget_bytes: the most bytes all reservations may add up to.
+        bytes_per_token: KV bytes of one slot (every layer's key and value).
+    """
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int):
+        if budget_bytes < 0 or bytes_per_token < 1:
+            raise ValueError(f"bad KV budget ({budget_bytes} bytes, {bytes_per_token} bytes per token)")
+        self.budget_bytes = budget_bytes
+        self.bytes_per_token = bytes_per_token
+        self._tokens: dict[str, int] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used * self.bytes_per_token
+
+    def reserved(self, session_id: str) -> int:
+        """Slots reserved for a session (0 when none)."""
+        with self._lock:
+            return self._tokens.get(session_id, 0)
+
+    def reserve(self, session_id: str, tokens: int, force: bool = False) -> None:
+        """Make sure ``session_id`` may hold ``tokens`` slots.
+
+        Args:
+            force: record the slots even past the budget (memory already allocated).
+
+        Raises:
+            ResourceExhausted: the budget has no room for the extra slots (nothing changed).
+        """
+        with self._lock:
+            have = self._tokens.get(session_id, 0)
+            extra = tokens - have
+            if extra <= 0:
+                return
+            if not force and (self._used + extra) * self.bytes_per_token > self.budget_bytes:
+                free = max(0, self.budget_bytes - self._used * self.bytes_per_token)
+                raise ResourceExhausted(
+                    f"the worker's KV memory budget is used up ({free // 1024} KiB free, "
+                    f"{extra * self.bytes_per_token // 1024} KiB needed); retry later or shorten the context"
+                )
+            self._tokens[session_id] = tokens
+            self._used += extra
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self._used -= self._tokens.pop(session_id, 0)

@@ -20,7 +20,7 @@ import torch
 from specsplit.config import TargetConfig
 from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
-from specsplit.engines.base import EngineBase, check_capacity, desync_error
+from specsplit.engines.base import EngineBase, check_capacity, desync_error, initial_capacity
 from specsplit.engines.partial_kv import PartialSession
 from specsplit.engines.specpv import SpecPVStats
 from specsplit.engines.verifiers import FullVerifier, SpecPVVerifier, Verifier
@@ -100,7 +100,7 @@ class TargetEngine(EngineBase[KVCacheState]):
                 return KVCacheState(ws, static=True)
             return KVCacheState(self.runner.new_cache(capacity))
 
-        return self._store.get_or_create(session_id, factory)
+        return self._open_session(session_id, capacity, factory)
 
     def has_usable_session(self, session_id: str) -> bool:
         try:
@@ -175,7 +175,7 @@ class TargetEngine(EngineBase[KVCacheState]):
         if req.expected_prefix_length > 0 and session_id not in self._store:
             raise SessionNotFound(f"target session {session_id!r} not found; resend the full context")
         check_capacity(req.expected_prefix_length + p + n, self.config.max_context)
-        capacity = max(req.capacity_hint, req.expected_prefix_length + p + n + 8)
+        capacity = initial_capacity(req.expected_prefix_length + p + n + 8, req.capacity_hint)
         state, existed = self.get_or_create_session(session_id, capacity)
         stats = WorkerStats(device=str(self.device))
         try:
@@ -186,6 +186,7 @@ class TargetEngine(EngineBase[KVCacheState]):
                     raise desync_error("target", session_id, state.seq_len, req.expected_prefix_length)
                 state.next_root_logit = None
                 result = self._verifier.verify(state, tree, pending, req.sampling, req.seed, stats)
+            self._settle_kv(session_id, state.cache, state.static)
         finally:
             if self.config.stateless:
                 self._store.pop(session_id)

@@ -156,11 +156,6 @@ class _Generation:
         self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
         self.ngram_scores: list[float] = []
         self.ngram_offset = 0  # index of the first n-gram node in the round's tree
-        # This generation's n-gram record: accepted nodes against the calibrated prediction (scales
-        # the planner's acceptance to this prompt), and a backoff on proposing at all while the
-        # proposals do not pay (a proposal costs host time the GPU waits for).
-        self.ng_accepted, self.ng_predicted = 0.0, 0.0
-        self.ng_backoff, self.ng_skip = 0, 0
         self.use_draft = transport.has_draft
         self.pending_len = 0  # pending tokens of the round being verified
         self.draft_prefix, self.draft_new = 0, list(prompt)  # what the draft holds / has not seen
@@ -185,14 +180,8 @@ class _Generation:
         if self.ngram is None:
             self.plan = RoundPlan(model=self.use_draft, ngram_size=0)
         else:
-            if self.ng_skip > 0:
-                self.ng_skip -= 1
-            else:
-                proposal = self.ngram.propose()
-            scale = (self.ng_accepted + 1.0) / (self.ng_predicted + 1.0)
-            self.plan = self.cost.plan(proposal.scores if proposal else [], self.use_draft, scale)
-            if proposal is not None and proposal.num_nodes and not self.plan.ngram_size:
-                self._back_off()  # the planner declined this prompt's proposals
+            proposal = self.ngram.propose()
+            self.plan = self.cost.plan(proposal.scores, self.use_draft)
         tree, dres = TokenTree.empty(), None
         if self.plan.model:
             dres = self._model_draft(remaining)
@@ -334,21 +323,9 @@ class _Generation:
             start = self.ngram_offset
             acc = set(vres.accepted_node_indices)
             flags = [start + i in acc for i in range(len(self.ngram_scores))]
-            if self.plan.ngram_size and not self.plan.model:
-                self.ng_predicted += self.cost.expected_curve(self.ngram_scores)[-1] - 1.0
-                self.ng_accepted += sum(flags)
-                if any(flags):
-                    self.ng_backoff = 0
-                else:
-                    self._back_off()
             self.cost.observe(self.plan, vres.num_nodes, rs.verify_s, t3 - t0, rs.draft_s,
                               len(vres.accepted_token_ids) + 1, self.ngram_scores, flags)  # fmt: skip
         return rs
-
-    def _back_off(self) -> None:
-        """Skip proposing for the next 1, 2, then 4 rounds (reset by an accepted n-gram node)."""
-        self.ng_backoff = min(max(1, 2 * self.ng_backoff), 4)
-        self.ng_skip = self.ng_backoff
 
     def close(self) -> None:
         """End the session on both sides (a failure here only logs: the TTL frees it anyway)."""

@@ -23,6 +23,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from specsplit.remote.client import GrpcTransport
 from specsplit.remote.protocol import PROTOCOL_VERSION
-from specsplit.remote.server import WorkerServer, serve_draft, serve_target
+from specsplit.remote.worker import WorkerServer, serve_draft, serve_target
 
 __all__ = ["PROTOCOL_VERSION", "GrpcTransport", "WorkerServer", "serve_draft", "serve_target"]

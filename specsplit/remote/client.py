@@ -24,11 +24,18 @@ Retry policy, and why it is safe:
   may still be busy with the call.
 * ``Generate`` (the target worker runs the rounds, ``SpecSplitConfig.grpc_loop="target"``) is a
   server stream with no overall deadline: ``timeout_s`` bounds the wait for each next message
-  instead (a watchdog cancels the call), and a failure is not retried.
+  instead (a watchdog cancels the call). When the stream breaks with ``UNAVAILABLE`` (the target
+  worker restarted, the connection dropped) the generation is sent again with the tokens received
+  so far appended to the prompt and the same generator state, as the client loop resends its
+  context: the output is unchanged (``recoveries`` counts it). Other failures are not retried.
 * ``GenerateDrafts`` is not retried by us (gRPC's transparent retry still re-sends calls that never
   left the client). A failing draft worker costs speed, not correctness: the client marks it down
-  (``has_draft`` becomes False, logged once), the pipeline continues target-only, and the draft is
-  probed again after ``draft_retry_interval_s``.
+  (``has_draft`` becomes False, logged once), the pipeline continues target-only, and a background
+  thread probes the draft worker (every 0.25 s at first, backing off to 2 s) and turns drafting
+  back on as soon as it answers; ``has_draft`` also probes by itself once ``draft_retry_interval_s``
+  passed since the last probe.
+* A worker that refuses a call for being busy (``RESOURCE_EXHAUSTED`` with ``retry-after-ms``
+  trailing metadata: nothing was done) is asked again after that hint while the deadline allows.
 
 Reconnection is gRPC's: channels reconnect on their own; the backoff is capped at one second so a
 restarted worker is found again quickly.
@@ -44,7 +51,10 @@ error closes the stream; the next call opens a new one. A call finds the stream 
 thread's call) and makes the unary call instead, as it does while a worker refuses streams
 (``RESOURCE_EXHAUSTED`` with ``specsplit-stream: full``; retried after 30 s) or does not know them
 (``UNIMPLEMENTED``: an older worker). A stream unused for 5 s is closed, since it holds one of
-the worker's request threads.
+the worker's request threads; a stream the worker closed while idle is replaced by a unary call.
+
+Every call carries ``specsplit-client-secret``, random per transport: the workers keep this
+transport's sessions in a namespace of their own (:mod:`specsplit.remote.clients`).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import ipaddress
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -84,6 +95,10 @@ from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
 from specsplit.remote.protocol import PROTOCOL_VERSION
 
+# Kept in sync with specsplit.remote.clients / admission (not imported: the client needs neither).
+_SECRET_KEY = "specsplit-client-secret"
+_RETRY_AFTER_KEY = "retry-after-ms"
+
 logger = logging.getLogger(__name__)
 
 _BACKOFF_START_S = 0.05
@@ -98,6 +113,12 @@ STREAM_FULL_KEY = "specsplit-stream"
 _STREAM_IDLE_S = 5.0  # a stream unused this long is closed (it holds one of the worker's threads)
 _STREAM_REFUSED_S = 30.0  # after a worker refused a stream, unary calls this long before trying again
 _WATCH_S = 0.5  # how often the stream watchdog looks at deadlines and idle streams
+_PROBE_FIRST_S = 0.25  # background probes of a failed draft worker: first wait ...
+_PROBE_MAX_S = 2.0  # ... doubling up to this
+
+
+class AuthenticationError(TransportError):
+    """A worker refused this client's credentials (``UNAUTHENTICATED``)."""
 
 
 class _Peer:
@@ -169,8 +190,9 @@ class GrpcTransport:
         auth_token: bearer token sent as ``authorization: Bearer <token>``.
         tls_ca_file: PEM file of the CA that signed the workers' certificates; enables TLS.
         max_message_bytes: largest message sent or received.
-        draft_retry_interval_s: after the draft worker failed, how long ``has_draft`` stays False
-            before the next probe (a probe waits up to 3 s for the worker to answer).
+        draft_retry_interval_s: after the draft worker failed, how long ``has_draft`` waits before
+            probing it itself (a background thread probes it meanwhile, every 0.25 s at first and
+            at most every 2 s; a probe waits up to 3 s for the worker to answer).
         streams: send ``GenerateDrafts`` / ``VerifyDrafts`` over long-lived streams (see the
             module docstring); ``False``: unary calls only.
     """
@@ -191,7 +213,10 @@ class GrpcTransport:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self.draft_retry_interval_s = draft_retry_interval_s
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        auth_token = auth_token.strip() if auth_token else None  # as a token file is read
+        self._metadata: tuple[tuple[str, str], ...] = ((_SECRET_KEY, secrets.token_hex(16)),)
+        if auth_token:
+            self._metadata += (("authorization", f"Bearer {auth_token}"),)
         creds = None
         if tls_ca_file is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
@@ -218,6 +243,7 @@ class GrpcTransport:
         self._draft = peer("draft", draft_address, pb_grpc.DraftServiceStub) if draft_address else None
         self._lock = threading.Lock()
         self._draft_down_since: float | None = None
+        self._prober: threading.Thread | None = None
         self._drafted: set[str] = set()  # sessions with a draft call since their start: EndSession goes there
         self._closed = False
         self._draft_stream = _Stream(self._draft, "GenerateDraftsStream") if streams and self._draft else None
@@ -253,19 +279,53 @@ class GrpcTransport:
             return True
         if time.monotonic() - down < self.draft_retry_interval_s:
             return False
-        try:  # probe once per interval (see _PROBE_TIMEOUT_S)
+        return self._probe_draft()
+
+    def _probe_draft(self) -> bool:
+        """Ping the failed draft worker once (see _PROBE_TIMEOUT_S); mark it up when it answers."""
+        assert self._draft is not None
+        try:
             self._call(self._draft, "Ping", pb.PingRequest(client_protocol_version=PROTOCOL_VERSION),
                        timeout=min(_PROBE_TIMEOUT_S, self.timeout_s), retry=False, wait=True)  # fmt: skip
         except SpecSplitError:
             with self._lock:
-                self._draft_down_since = time.monotonic()
+                if self._draft_down_since is not None:
+                    self._draft_down_since = time.monotonic()
             return False
         with self._lock:
+            was_down = self._draft_down_since is not None
             self._draft_down_since = None
-        logger.warning(
-            "draft worker at %s is reachable again; speculative decoding resumes", self._draft.address
-        )
+        if was_down:
+            logger.warning(
+                "draft worker at %s is reachable again; speculative decoding resumes", self._draft.address
+            )
         return True
+
+    def _probe_in_background(self) -> None:
+        """Probe the failed draft worker with backoff until it answers or the transport closes."""
+        delay = _PROBE_FIRST_S
+        while not self._stop_watch.wait(delay):
+            if self._draft_up() or self._probe_draft():
+                break
+            delay = min(delay * 2, _PROBE_MAX_S)
+        with self._lock:
+            self._prober = None
+
+    def check_draft(self, timeout_s: float) -> WorkerInfo:
+        """Ping the draft worker, waiting up to ``timeout_s`` for it to come up.
+
+        Raises:
+            AuthenticationError: it refused this client's token.
+            TransportError: it did not answer (unreachable, TLS failure, another protocol).
+        """
+        if self._draft is None:
+            raise TransportError("no draft worker configured (draft_address is None)")
+        msg = pb.PingRequest(client_protocol_version=PROTOCOL_VERSION)
+        resp = self._call(self._draft, "Ping", msg, timeout=timeout_s, retry=True, wait=True)
+        info = convert.worker_info_from_proto(resp)
+        if info.worker_type != "draft":
+            raise TransportError(f"{self._draft.address} is a {info.worker_type} worker, not a draft worker")
+        return info
 
     def draft(self, request: DraftRequest) -> DraftResult:
         if self._draft is None:
@@ -309,11 +369,14 @@ class GrpcTransport:
         if self._closed:
             raise TransportError("GrpcTransport is closed")
         msg = _encode(convert.generate_request_to_proto, request)
-        try:
-            call = peer.stub.Generate(msg, metadata=self._metadata)
-        except ValueError as e:  # a closed channel
-            raise TransportError(f"target worker at {peer.address}: {e}") from None
-        return GenerateStream(call, peer, self.timeout_s)
+
+        def start(m: pb.GenerateRequest, wait: bool) -> Any:
+            try:
+                return peer.stub.Generate(m, metadata=self._metadata, wait_for_ready=wait)
+            except ValueError as e:  # a closed channel
+                raise TransportError(f"target worker at {peer.address}: {e}") from None
+
+        return GenerateStream(start, msg, peer, self.timeout_s)
 
     def end_session(self, session_id: str) -> None:
         """Free the session on both workers; never raises (the workers' TTL is the backstop)."""
@@ -395,12 +458,16 @@ class GrpcTransport:
         with self._lock:
             first = self._draft_down_since is None
             self._draft_down_since = time.monotonic()
+            start = self._prober is None and not self._closed
+            if start:
+                self._prober = threading.Thread(target=self._probe_in_background, name="specsplit-draft-probe",
+                                                daemon=True)  # fmt: skip
+                self._prober.start()
         if first and self._draft is not None:
             logger.warning(
-                "draft worker failed (%s); decoding target-only (same output, slower) and probing it "
-                "again every %.0fs",
+                "draft worker failed (%s); decoding target-only (same output, slower) until it answers "
+                "again (probed in the background)",
                 error,
-                self.draft_retry_interval_s,
             )
 
     def _call_or_stream(
@@ -438,6 +505,10 @@ class GrpcTransport:
                 stream.retry_at = time.monotonic() + _STREAM_REFUSED_S
                 logger.info("%s worker at %s refused a stream (%s); unary calls for %.0fs", peer.role,
                             peer.address, _details(e), _STREAM_REFUSED_S)  # fmt: skip
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_after(md) is not None:
+                stream.retry_at = time.monotonic() + _STREAM_REFUSED_S  # busy: the unary call waits its turn
+            elif code == grpc.StatusCode.CANCELLED and not stream.timed_out and not self._closed:
+                pass  # the worker closed the stream (idle too long) before reading this call: send it unary
             elif stream.timed_out:
                 raise TransportError(
                     f"{peer.role} worker at {peer.address}: {method} failed: DEADLINE_EXCEEDED: no reply "
@@ -491,6 +562,12 @@ class GrpcTransport:
                 return fn(msg, timeout=max(remaining, 0.001), metadata=self._metadata, wait_for_ready=wait)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+                    after = _retry_after(md)
+                    if after is not None and deadline - time.monotonic() > after:
+                        time.sleep(after)  # refused for being busy, nothing done: ask again
+                        continue
                 if retry and code == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > delay:
                     logger.info("%s worker at %s unavailable (%s); retrying %s", peer.role, peer.address,
                                 _details(e), method)  # fmt: skip
@@ -510,13 +587,18 @@ class GenerateStream:
     Iterating yields :class:`~specsplit.transport.GenerateUpdate` s; :meth:`cancel` stops the
     generation on the worker (which then frees the session on both workers). A watchdog cancels the
     call when no update arrives for ``timeout_s`` seconds, which surfaces as :class:`TransportError`.
+    A stream that breaks with ``UNAVAILABLE`` is started again from the tokens received so far
+    (see the module docstring), for up to ``timeout_s`` seconds of the worker being away.
     """
 
-    def __init__(self, call: Any, peer: _Peer, timeout_s: float):
-        self._call, self._peer, self._timeout_s = call, peer, timeout_s
+    def __init__(self, start: Any, request: pb.GenerateRequest, peer: _Peer, timeout_s: float):
+        self._start, self._request, self._peer, self._timeout_s = start, request, peer, timeout_s
+        self._received: list[int] = []
+        self._recoveries = 0
         self._last = time.monotonic()
         self._done = threading.Event()
         self._timed_out = False
+        self._call = start(request, False)
         threading.Thread(target=self._watch, name="specsplit-generate-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -530,23 +612,45 @@ class GenerateStream:
         return self
 
     def __next__(self) -> GenerateUpdate:
-        try:
-            msg = next(self._call)
-        except StopIteration:
-            self._done.set()
-            raise
-        except grpc.RpcError as e:
-            self._done.set()
-            if self._timed_out:
-                raise TransportError(
-                    f"target worker at {self._peer.address}: Generate sent nothing for "
-                    f"{self._timeout_s:g}s (timeout_s); cancelled"
-                ) from None
-            raise _to_error(self._peer, "Generate", e) from None
+        while True:
+            try:
+                msg = next(self._call)
+                break
+            except StopIteration:
+                self._done.set()
+                raise
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+                if self._timed_out:
+                    self._done.set()
+                    raise TransportError(
+                        f"target worker at {self._peer.address}: Generate sent nothing for "
+                        f"{self._timeout_s:g}s (timeout_s); cancelled"
+                    ) from None
+                if code != grpc.StatusCode.UNAVAILABLE or self._done.is_set():
+                    self._done.set()
+                    raise _to_error(self._peer, "Generate", e) from None
+                self._resume(e)
         self._last = time.monotonic()
+        update = convert.generate_update_from_proto(msg)
+        for tokens, _ in update.rounds:
+            self._received.extend(tokens)
         if msg.done:  # the last message: the watchdog can go
             self._done.set()
-        return convert.generate_update_from_proto(msg)
+            update.recoveries += self._recoveries
+        return update
+
+    def _resume(self, error: grpc.RpcError) -> None:
+        """Send the generation again from where the broken stream left it (the worker waited for)."""
+        req = pb.GenerateRequest()
+        req.CopyFrom(self._request)
+        req.prompt_token_ids.extend(self._received)
+        req.max_new_tokens = max(0, self._request.max_new_tokens - len(self._received))
+        self._recoveries += 1
+        logger.info("target worker at %s: Generate stream broke (%s); resending %d tokens of context",
+                    self._peer.address, _details(error), len(req.prompt_token_ids))  # fmt: skip
+        self._last = time.monotonic()  # the watchdog gives the worker timeout_s to come back
+        self._call = self._start(req, True)
 
     def cancel(self) -> None:
         """Stop the generation (idempotent)."""
@@ -562,6 +666,14 @@ def _encode(fn: Any, request: Any) -> Any:
         if isinstance(e, SpecSplitError):
             raise
         raise InvalidRequest(f"request cannot be encoded for gRPC: {e}") from None
+
+
+def _retry_after(md: dict[str, Any]) -> float | None:
+    """Seconds a worker's ``retry-after-ms`` asks to wait, or None when it sent none."""
+    value = md.get(_RETRY_AFTER_KEY)
+    if isinstance(value, str) and value.isdigit():
+        return min(int(value), 10_000) / 1000.0
+    return None
 
 
 def _details(e: grpc.RpcError) -> str:
@@ -588,7 +700,10 @@ def _to_error(peer: _Peer, method: str, e: grpc.RpcError) -> SpecSplitError:
         return ResourceExhausted(details)
     hint = ""
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        hint = " (set auth_token / SPECSPLIT_AUTH_TOKEN to the worker's token)"
+        return AuthenticationError(
+            f"{peer.role} worker at {peer.address}: {method} failed: {code.name}: {details} "
+            "(set auth_token / SPECSPLIT_AUTH_TOKEN to the worker's token)"
+        )
     elif code == grpc.StatusCode.UNAVAILABLE:
         hint = " (is the worker running? for TLS, is tls_ca_file right?)"
     elif code == grpc.StatusCode.UNIMPLEMENTED:

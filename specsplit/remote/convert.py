@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -92,20 +92,43 @@ def tree_config_to_proto(t: TreeConfig) -> pb.TreeSpec:
     return m
 
 
+@dataclass(frozen=True)
+class DynamicFields:
+    """The dynamic-tree fields of a ``TreeSpec``, unset (0) ones at their ``TreeConfig`` defaults."""
+
+    topk: int
+    width: int
+    budget: int
+    max_depth: int
+
+
+_TREE_DEFAULTS = TreeConfig()
+
+
+def tree_defaults(m: pb.TreeSpec) -> DynamicFields:
+    """``m``'s dynamic fields; proto3 cannot tell 0 from unset, and 0 is never valid for them."""
+    return DynamicFields(
+        *(getattr(m, f) or getattr(_TREE_DEFAULTS, f) for f in ("topk", "width", "budget", "max_depth"))
+    )
+
+
 def tree_config_from_proto(m: pb.TreeSpec) -> TreeConfig:
+    """The ``TreeConfig`` of a ``TreeSpec``; unset dynamic-only fields take their defaults (a chain
+    or static spec need not set them)."""
     shape = _SHAPE_FROM_PB.get(m.shape)
     if shape is None:
         raise InvalidRequest(f"tree.shape must be CHAIN, STATIC or DYNAMIC, got enum value {m.shape}")
     paths = [list(p.ranks) for p in m.static_paths.paths] if m.HasField("static_paths") else None
+    d = tree_defaults(m)
     return _checked(
         lambda: TreeConfig(
             shape=shape,
             num_draft_tokens=m.num_draft_tokens,
             paths=paths,
-            topk=m.topk,
-            width=m.width,
-            budget=m.budget,
-            max_depth=m.max_depth,
+            topk=d.topk,
+            width=d.width,
+            budget=d.budget,
+            max_depth=d.max_depth,
         )
     )
 

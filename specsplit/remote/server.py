@@ -12,27 +12,29 @@ per-session lock, encodes the result and maps SpecSplit errors to status codes:
 anything else                        ``INTERNAL`` (logged; the worker keeps serving)
 =================================  ======================
 
+Every call first passes the worker's gate (:mod:`specsplit.remote.admission`: tokens, bounded
+calls and queues per client, fair compute, requests that do not decode); sessions live in their
+caller's namespace (:mod:`specsplit.remote.clients`). Error messages are bounded in length and
+name sessions by the caller's own id.
+
 Workers hold no state apart from sessions, so several can sit behind a gRPC load balancer with
 session affinity (route on the ``session_id`` field or pin a client to one backend).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from specsplit.config import NgramConfig
 from specsplit.errors import (
     CacheDesyncError,
     ConfigError,
@@ -46,7 +48,13 @@ from specsplit.pipeline import OverlapPolicies, decode_rounds
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+from specsplit.remote.admission import Admission
 from specsplit.remote.client import STREAM_FULL_KEY, GrpcTransport
+from specsplit.remote.clients import (
+    MAX_GENERATE_SESSION_ID_CHARS,
+    check_session_id,
+    current_caller,
+)
 from specsplit.remote.target_loop import TargetLoopTransport, WorkerDrafting, decode_params
 from specsplit.remote.tree_slots import SlotDraftRequest, SlotDraftResult, TreeSlotExporter
 from specsplit.telemetry import SpecStats
@@ -62,7 +70,7 @@ _STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (CacheDesyncError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_MAX_DETAILS = 1024  # characters of an error message sent back (never unbounded input)
 _OUT_OF_MEMORY = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
 
 
@@ -77,35 +85,75 @@ class ServerLimits:
         max_tree_depth: deepest tree a draft request may ask for.
         max_context: most tokens a draft session may hold; ``capacity_hint`` is clamped to it on
             both workers (a hint must never make a worker preallocate unbounded memory).
+        max_tree_work: most ``nodes x depth x width`` a requested tree shape may cost (width: the
+            children drafted per node, or frontier nodes per level, whichever is larger): a dynamic
+            tree's drafting cost grows with all three, not with its node count alone.
+        kv_budget_bytes: KV cache all sessions of the worker may hold together; a session that would
+            pass it is refused (``RESOURCE_EXHAUSTED``). ``None``: from the device's free memory
+            when the worker starts (:func:`default_kv_budget`).
+        max_sessions_per_client: live sessions one named client may hold (``None``: the engine's
+            ``max_sessions``, or half of it when several named clients share the worker).
+        evict_idle_s: a full session store makes room only by evicting sessions idle this long;
+            otherwise the new session is refused.
     """
 
     max_message_bytes: int = convert.DEFAULT_MAX_MESSAGE_BYTES
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
+    max_tree_work: int = 65536
+    kv_budget_bytes: int | None = None
+    max_sessions_per_client: int | None = None
+    evict_idle_s: float = 30.0
 
 
 def check_tree_spec(spec: pb.TreeSpec, lim: ServerLimits) -> None:
     """Refuse a requested tree shape beyond the worker's limits (``ResourceExhausted``).
 
     Checked on the raw message, before the ``TreeConfig`` is built: building a huge static or chain
-    shape is itself expensive.
+    shape is itself expensive. Unset (0) dynamic fields count with their defaults.
     """
-    depth = {
-        pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
-        pb.TREE_SHAPE_STATIC: max((len(p.ranks) for p in spec.static_paths.paths), default=0),
-        pb.TREE_SHAPE_DYNAMIC: spec.max_depth,
-    }.get(spec.shape, 0)
-    nodes = {
-        pb.TREE_SHAPE_CHAIN: spec.num_draft_tokens,
-        pb.TREE_SHAPE_STATIC: len(spec.static_paths.paths),
-        pb.TREE_SHAPE_DYNAMIC: max(spec.budget, spec.topk, spec.width),
-    }.get(spec.shape, 0)
+    nodes = depth = width = 0
+    if spec.shape == pb.TREE_SHAPE_CHAIN:
+        nodes = depth = spec.num_draft_tokens
+        width = 1
+    elif spec.shape == pb.TREE_SHAPE_STATIC:
+        paths = spec.static_paths.paths
+        nodes = len(paths)
+        depth = max((len(p.ranks) for p in paths), default=0)
+        width = (
+            1 + max((max(p.ranks, default=0) for p in paths), default=0) if nodes <= lim.max_tree_nodes else 0
+        )
+    elif spec.shape == pb.TREE_SHAPE_DYNAMIC:
+        t = convert.tree_defaults(spec)
+        nodes, depth, width = max(t.budget, t.topk, t.width), t.max_depth, max(t.topk, t.width)
     if nodes > lim.max_tree_nodes or depth > lim.max_tree_depth:
         raise ResourceExhausted(
             f"requested tree (up to {nodes} nodes, depth {depth}) exceeds this worker's limits "
             f"({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
         )
+    if nodes * depth * width > lim.max_tree_work:
+        raise ResourceExhausted(
+            f"requested tree costs {nodes} nodes x depth {depth} x width {width} = {nodes * depth * width}; "
+            f"this worker accepts at most {lim.max_tree_work}"
+        )
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Bytes of KV cache a worker on ``device`` allows by default: 80% of the GPU memory free
+    after the model loaded, or half of the host's available memory for a CPU worker."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return max(int(pages) * 4096 // 2, 1 << 30)
 
 
 class _SessionLocks:
@@ -135,17 +183,61 @@ class _SessionLocks:
 
 
 class _Handler:
-    """What both servicers share: session locking, timing, error-to-status mapping and the count
-    of open streams (each holds a request thread; at most ``max_streams`` at once)."""
+    """What both servicers share: session namespaces and locking, timing, fair compute, the
+    error-to-status mapping and the count of open streams (at most ``max_streams`` at once).
 
-    def __init__(self, engine: Any, worker_type: str, limits: ServerLimits, max_streams: int):
+    Args:
+        admission: the worker's bounds; ``None``: engine calls are not gated (a servicer used
+            without :func:`serve_draft` / :func:`serve_target`).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        worker_type: str,
+        limits: ServerLimits,
+        max_streams: int,
+        admission: Admission | None = None,
+    ):
         self.engine = engine
         self.worker_type = worker_type
         self.limits = limits
         self.locks = _SessionLocks()
         self.max_streams = max_streams
+        self.admission = admission
         self._streams = 0
         self._streams_guard = threading.Lock()
+        self._owned: dict[str, set[str]] = {}  # named client -> its session keys (pruned lazily)
+        self._owned_guard = threading.Lock()
+        self.session_cap: int | None = None  # live sessions per named client (None: no cap)
+
+    def compute(self) -> AbstractContextManager[None]:
+        """A turn of engine work for the current caller, shared fairly between clients."""
+        if self.admission is None:
+            return nullcontext()
+        return self.admission.compute.hold(current_caller().fairness_key)
+
+    def key(self, session_id: str) -> str:
+        """The engine's key of the caller's session ``session_id`` (checked for length)."""
+        check_session_id(session_id)
+        return current_caller().session_key(session_id)
+
+    def admit_session(self, key: str, creates: bool) -> None:
+        """Count a session a named client is about to create against its cap (``ResourceExhausted``)."""
+        caller = current_caller()
+        has = getattr(self.engine, "has_session", None)
+        if not creates or not caller.named or self.session_cap is None or has is None or has(key):
+            return
+        with self._owned_guard:
+            live = {k for k in self._owned.get(caller.client, ()) if has(k)}
+            if len(live) >= self.session_cap:
+                self._owned[caller.client] = live
+                raise ResourceExhausted(
+                    f"this client already holds {len(live)} sessions on this {self.worker_type} worker "
+                    f"(its limit); end some or retry later"
+                )
+            live.add(key)
+            self._owned[caller.client] = live
 
     def stream(
         self, requests: Iterator[Any], context: grpc.ServicerContext, call: Callable[[Any, Any], R]
@@ -165,6 +257,8 @@ class _Handler:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this {self.worker_type} worker already serves {self.max_streams} streams; make unary calls",
             )
+        if self.admission is not None:
+            requests = self.admission.streams.requests(requests, context)
         try:
             for request in requests:
                 yield call(request, context)
@@ -172,7 +266,15 @@ class _Handler:
             with self._streams_guard:
                 self._streams -= 1
 
-    def run(self, context: grpc.ServicerContext, session_id: str | None, work: Callable[[float], R]) -> R:
+    def run(
+        self,
+        context: grpc.ServicerContext,
+        session_id: str | None,
+        work: Callable[[float], R],
+        compute: bool = False,
+    ) -> R:
+        """``work(t0)`` under the session's lock (and a compute turn when ``compute``); errors
+        abort the call with their status code. ``session_id`` is the engine's key."""
         t0 = time.perf_counter()
         try:
             # Engines keep inference tensors in their caches; every call must run in inference
@@ -180,14 +282,14 @@ class _Handler:
             with torch.inference_mode():
                 if session_id is None:
                     return work(t0)
-                with self.locks.hold(session_id):
+                with self.locks.hold(session_id), self.compute() if compute else nullcontext():
                     return work(t0)
         except Exception as e:
             self.fail(context, e, session_id)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     def fail(self, context: grpc.ServicerContext, e: BaseException, session_id: str | None) -> None:
-        """Abort the call with the status code of ``e`` (raises)."""
+        """Abort the call with the status code of ``e`` (raises); ``session_id`` is the engine's key."""
         if isinstance(e, SpecSplitError):
             code = next((c for t, c in _STATUS if isinstance(e, t)), None)
             if code is None:
@@ -197,12 +299,14 @@ class _Handler:
                 context.set_trailing_metadata(
                     (("specsplit-expected", str(e.expected)), ("specsplit-actual", str(e.actual)))
                 )
-            context.abort(code, str(e))
+            context.abort(code, _details(str(e), session_id))
         if isinstance(e, _OUT_OF_MEMORY):
-            logger.error("%s worker: out of memory serving session %r: %s", self.worker_type, session_id, e)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker out of memory: {e}")
+            logger.error("%s worker: out of memory: %s", self.worker_type, _details(str(e), None))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _details(f"worker out of memory: {e}", None))
         logger.error("%s worker: internal error", self.worker_type, exc_info=e)
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        context.abort(
+            grpc.StatusCode.INTERNAL, _details(f"internal error: {type(e).__name__}: {e}", session_id)
+        )
 
     def ping(self, context: grpc.ServicerContext) -> pb.PingResponse:
         def work(t0: float) -> pb.PingResponse:
@@ -215,13 +319,15 @@ class _Handler:
     def end_session(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
     ) -> pb.EndSessionResponse:
+        key = self.run(context, None, lambda t0: self.key(request.session_id))
+
         def work(t0: float) -> pb.EndSessionResponse:
-            existed = bool(self.engine.end_session(request.session_id))
+            existed = bool(self.engine.end_session(key))
             return pb.EndSessionResponse(
                 existed=existed, telemetry=pb.Telemetry(server_time_s=time.perf_counter() - t0)
             )
 
-        return self.run(context, request.session_id, work)
+        return self.run(context, key, work)
 
     def clamp_capacity(self, hint: int) -> int:
         return max(0, min(hint, self.limits.max_context))
@@ -230,8 +336,14 @@ class _Handler:
 class DraftServicer(pb_grpc.DraftServiceServicer):
     """``DraftService`` over a :class:`specsplit.engines.draft.DraftEngine`."""
 
-    def __init__(self, engine: Any, limits: ServerLimits | None = None, max_streams: int = 4):
-        self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams)
+    def __init__(
+        self,
+        engine: Any,
+        limits: ServerLimits | None = None,
+        max_streams: int = 4,
+        admission: Admission | None = None,
+    ):
+        self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams, admission)
         cfg = getattr(engine, "config", None)
         self._slots = TreeSlotExporter(
             getattr(engine, "device", torch.device("cpu")), getattr(cfg, "max_tree_nodes", 64)
@@ -247,10 +359,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             )
 
     def GenerateDrafts(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
+        key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
+
         def work(t0: float) -> pb.DraftResponse:
             self._check_limits(request)
             req = convert.draft_request_from_proto(request)
+            req.session_id = key
             req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
+            self._h.admit_session(key, req.prefix_length == 0)
             res = self._h.engine.generate(req)
             if isinstance(req, SlotDraftRequest) and not req.speculate:
                 ref = self._slots.place(req.tree_channel, req.tree_slot, res.tree)
@@ -260,7 +376,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             resp.telemetry.server_time_s = time.perf_counter() - t0
             return resp
 
-        return self._h.run(context, request.session_id, work)
+        return self._h.run(context, key, work, compute=True)
 
     def ShareTreeSlots(
         self, request: pb.ShareTreeSlotsRequest, context: grpc.ServicerContext
@@ -302,21 +418,28 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         max_streams: int = 4,
         tree_slots: bool = True,
         drafting: WorkerDrafting | None = None,
+        admission: Admission | None = None,
     ):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
         if cfg is not None:  # the engine's own limits are the ones that matter on the target
-            limits = ServerLimits(
-                limits.max_message_bytes, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.max_context
+            limits = replace(
+                limits,
+                max_tree_nodes=cfg.max_tree_nodes,
+                max_tree_depth=cfg.max_tree_depth,
+                max_context=cfg.max_context,
             )
-        self._h = _Handler(engine, "target", limits, max_streams)
+        self._h = _Handler(engine, "target", limits, max_streams, admission)
         self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity, tree_slots)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
         self._drafting = drafting or WorkerDrafting()
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
+        key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
+
         def work(t0: float) -> pb.VerifyResponse:
             req = convert.verify_request_from_proto(request)
+            req.session_id = key
             lim, tree = self._h.limits, req.tree
             if (tree.depth_bound or 0) > lim.max_tree_depth or (tree.max_branch or 0) > lim.max_tree_nodes:
                 raise InvalidRequest(
@@ -324,11 +447,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     f"limits ({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
                 )
             req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
+            self._h.admit_session(key, req.expected_prefix_length == 0)
             resp = convert.verify_result_to_proto(self._h.engine.verify(req))
             resp.telemetry.server_time_s = time.perf_counter() - t0
             return resp
 
-        return self._h.run(context, request.session_id, work)
+        return self._h.run(context, key, work, compute=True)
 
     def VerifyDraftsStream(
         self, request_iterator: Iterator[pb.VerifyRequest], context: grpc.ServicerContext
@@ -347,10 +471,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """
 
         def check(t0: float) -> Any:
+            check_session_id(request.session_id, MAX_GENERATE_SESSION_ID_CHARS)
             check_tree_spec(request.tree, self._h.limits)
             req = convert.generate_request_from_proto(request)
             vocab = self._h.engine.model_vocab_size
-            return req, decode_params(req, vocab, self._h.limits, self._policies, self._drafting)
+            params = decode_params(req, vocab, self._h.limits, self._policies, self._drafting)
+            req.session_id = self._h.key(req.session_id)
+            self._h.admit_session(req.session_id, True)
+            return req, params
 
         req, params = self._h.run(context, None, check)
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
@@ -362,8 +490,16 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         try:
             with torch.inference_mode(), self._h.locks.hold(req.session_id):
                 try:
-                    for tokens, round_stats in rounds:
-                        yield convert.generate_update_to_proto(GenerateUpdate([(tokens, round_stats)]))
+                    while True:
+                        # A round (its draft call and its verification) is one turn of this worker's
+                        # compute, shared fairly between clients; sending it to the client is not.
+                        # The turn covers the draft call so that one client's many generations run
+                        # one round at a time when others wait, not many draft calls at once.
+                        with self._h.compute():
+                            item = next(rounds, None)
+                        if item is None:
+                            break
+                        yield convert.generate_update_to_proto(GenerateUpdate([item]))
                 finally:
                     rounds.close()  # ends the session on both workers, also when the client cancelled
         except Exception as e:
@@ -380,243 +516,15 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return self._h.ping(context)
 
 
-class _BearerAuth(grpc.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <token>`` (the health service stays open)."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        # one denial per call kind, so a streaming call is refused as a stream
-        self._deny = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny),
-        }
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.startswith(_HEALTH_PREFIX):
-            return continuation(details)
-        got = ""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value if isinstance(value, str) else value.decode("latin-1")
-                break
-        handler = continuation(details)
-        if handler is None or hmac.compare_digest(got.encode("latin-1", "replace"), self._expected):
-            return handler
-        return self._deny[(handler.request_streaming, handler.response_streaming)]
+def _details(message: str, key: str | None) -> str:
+    """An error message as a caller sees it: its session named by the caller's own id, bounded."""
+    if key and "#" in key:
+        message = message.replace(key, key.rsplit("#", 1)[0])
+    if len(message) > _MAX_DETAILS:
+        message = message[: _MAX_DETAILS - 15] + " ... (truncated)"
+    return message
 
 
-class WorkerServer:
-    """A running worker: the gRPC server, its bound port and the engine it serves.
-
-    Use as a context manager or call :meth:`stop`; the engine is NOT shut down (the caller owns
-    it) unless ``stop(shutdown_engine=True)``.
-    """
-
-    def __init__(self, server: grpc.Server, port: int, host: str, engine: Any, worker_type: str, health: Any):
-        self.server = server
-        self.port = port
-        self.host = host
-        self.engine = engine
-        self.worker_type = worker_type
-        self._health = health
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
-        self.on_stop: list[Callable[[], None]] = []  # run once the server stopped (e.g. close clients)
-
-    @property
-    def address(self) -> str:
-        host = "localhost" if self.host in ("0.0.0.0", "::", "[::]") else self.host
-        return f"{host}:{self.port}"
-
-    def stop(self, grace: float | None = 5.0, shutdown_engine: bool = False) -> None:
-        """Stop accepting calls, let in-flight ones finish for ``grace`` seconds (idempotent)."""
-        with self._stop_lock:
-            if self._stopped.is_set():
-                return
-            if self._health is not None:
-                self._health.enter_graceful_shutdown()
-            self.server.stop(grace).wait()
-            for fn in self.on_stop:
-                fn()
-            self._stopped.set()
-        if shutdown_engine:
-            self.engine.shutdown()
-        logger.info("%s worker on port %d stopped", self.worker_type, self.port)
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`stop` ran (True) or ``timeout`` passed (False)."""
-        return self._stopped.wait(timeout)
-
-    def __enter__(self) -> WorkerServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _add_health(server: grpc.Server, service: str) -> Any:
-    """Register the standard gRPC health service when grpcio-health-checking is installed."""
-    try:
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    except ImportError:
-        return None
-    servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in ("", service):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return servicer
-
-
-def _serve(
-    worker_type: str,
-    servicer: Any,
-    add: Callable[[Any, grpc.Server], None],
-    engine: Any,
-    port: int,
-    host: str,
-    max_workers: int,
-    tls: tuple[str | Path, str | Path] | None,
-    auth_token: str | None,
-    limits: ServerLimits,
-) -> WorkerServer:
-    options = [
-        ("grpc.max_receive_message_length", limits.max_message_bytes),
-        ("grpc.max_send_message_length", limits.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a second worker on a busy port must fail, not share it
-    ]
-    interceptors = [_BearerAuth(auth_token)] if auth_token else []
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"specsplit-{worker_type}"),
-        interceptors=interceptors,
-        options=options,
-    )
-    add(servicer, server)
-    health = _add_health(server, f"specsplit.v1.{worker_type.capitalize()}Service")
-    addr = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    try:
-        if tls is not None:
-            cert, key = (Path(p).read_bytes() for p in tls)
-            bound = server.add_secure_port(addr, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            bound = server.add_insecure_port(addr)
-    except RuntimeError as e:  # grpcio raises on bind failure; older versions return 0
-        raise OSError(f"could not bind {addr}: {e}") from None
-    if not bound:
-        raise OSError(f"could not bind {addr}")
-    server.start()
-    logger.info(
-        "%s worker serving on %s:%d (%s%s)",
-        worker_type,
-        host,
-        bound,
-        "TLS" if tls else "plaintext",
-        ", bearer token" if auth_token else "",
-    )
-    return WorkerServer(server, bound, host, engine, worker_type, health)
-
-
-def serve_draft(
-    engine: Any,
-    port: int = 0,
-    host: str = "127.0.0.1",
-    max_workers: int = 8,
-    tls: tuple[str | Path, str | Path] | None = None,
-    auth_token: str | None = None,
-    limits: ServerLimits | None = None,
-) -> WorkerServer:
-    """Serve a :class:`~specsplit.engines.draft.DraftEngine` (loaded) over gRPC and return at once.
-
-    Args:
-        engine: the engine; the caller keeps ownership.
-        port: TCP port; 0 picks a free one (read it from ``.port``).
-        host: interface to bind (``"0.0.0.0"`` for every interface).
-        max_workers: request threads (concurrent calls; one session's calls are serialised). An
-            open stream (``GenerateDraftsStream`` / ``VerifyDraftsStream``) holds one for its
-            whole length, so at most ``max_workers // 2`` (at least 1) are accepted at once.
-        tls: ``(certificate chain PEM file, private key PEM file)`` to serve TLS.
-        auth_token: require ``authorization: Bearer <auth_token>`` on every call.
-        limits: request limits (defaults: :class:`ServerLimits`).
-
-    Returns:
-        The running :class:`WorkerServer`.
-    """
-    limits = limits or ServerLimits()
-    server = _serve(
-        "draft", DraftServicer(engine, limits, _max_streams(max_workers)), pb_grpc.add_DraftServiceServicer_to_server,
-        engine, port, host, max_workers, tls, auth_token, limits,
-    )  # fmt: skip
-    sync = getattr(engine, "synchronize", None)
-    if sync is not None and getattr(engine, "device", torch.device("cpu")).type == "cuda":
-        # A reply may leave before its tree's GPU work ends (tree slots): let that work finish, so a
-        # target worker waiting on the slot's event is not left waiting by a stopped worker.
-        server.on_stop.append(sync)
-    return server
-
-
-def serve_target(
-    engine: Any,
-    port: int = 0,
-    host: str = "127.0.0.1",
-    max_workers: int = 8,
-    tls: tuple[str | Path, str | Path] | None = None,
-    auth_token: str | None = None,
-    limits: ServerLimits | None = None,
-    *,
-    draft_address: str | None = None,
-    draft_auth_token: str | None = None,
-    draft_tls_ca_file: str | Path | None = None,
-    draft_timeout_s: float = 60.0,
-    draft_streams: bool = True,
-    tree_slots: bool = True,
-    drafter: str = "model",
-    ngram: NgramConfig | None = None,
-) -> WorkerServer:
-    """Serve a :class:`~specsplit.engines.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
-
-    The tree limits and ``max_context`` come from the engine's :class:`~specsplit.config.TargetConfig`.
-
-    Args:
-        draft_address: ``host:port`` of the draft worker that ``Generate`` calls (clients with
-            ``SpecSplitConfig(grpc_loop="target")``); ``None``: such generations are target-only.
-        draft_auth_token / draft_tls_ca_file: how this worker authenticates to the draft worker.
-        draft_timeout_s: deadline of each call to the draft worker.
-        draft_streams: call the draft worker over a long-lived stream (``GenerateDraftsStream``;
-            ``False``: unary ``GenerateDrafts`` calls).
-        tree_slots: with the draft worker on this host and both on CUDA devices, greedy rounds read
-            each tree from the draft worker's GPU memory (CUDA IPC) instead of its reply, so the
-            verification is queued behind the draft's GPU work (:mod:`specsplit.remote.tree_slots`).
-        drafter: what ``Generate`` drafts with when a request names no drafter
-            (``SpecSplitConfig.drafter``); the n-gram drafters run on this worker, with no draft worker.
-        ngram: how this worker's n-gram drafters propose trees.
-
-    Each running ``Generate`` holds one of the ``max_workers`` request threads for its whole length.
-    """
-    limits = limits or ServerLimits()
-    draft = None
-    if draft_address:
-        draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
-                              tls_ca_file=draft_tls_ca_file, streams=draft_streams)  # fmt: skip
-    cfg = getattr(engine, "config", None)
-    graphs = (
-        bool(getattr(cfg, "cuda_graphs", False))
-        and getattr(getattr(engine, "device", None), "type", "") == "cuda"
-    )
-    drafting = WorkerDrafting(drafter, ngram, padded=graphs)
-    servicer = TargetServicer(engine, limits, draft, _max_streams(max_workers), tree_slots, drafting)
-    server = _serve(
-        "target", servicer, pb_grpc.add_TargetServiceServicer_to_server,
-        engine, port, host, max_workers, tls, auth_token, limits,
-    )  # fmt: skip
-    server.on_stop.append(servicer.loop.close)
-    return server
-
-
-def _max_streams(max_workers: int) -> int:
-    """Streams a worker with ``max_workers`` request threads accepts at once (see "Streams")."""
-    return max(1, max_workers // 2)
+def max_streams(max_calls: int) -> int:
+    """Streams a worker with ``max_calls`` open calls accepts at once (see the client's "Streams")."""
+    return max(1, max_calls // 2)
