@@ -22,16 +22,10 @@ from specsplit import (
     TokenTree,
     TreeConfig,
 )
-from specsplit.config import DraftConfig, TargetConfig
+from specsplit.config import DraftConfig, SpecPVConfig, TargetConfig
+from specsplit.core.specpv_view import plan_layout, score_blocks, select_blocks
 from specsplit.core.tree_attention import ancestor_matrix, bool_mask_to_float
-from specsplit.engines.partial_kv import (
-    BlockSummaries,
-    PartialSession,
-    SpecPVConfig,
-    plan_layout,
-    score_blocks,
-    select_blocks,
-)
+from specsplit.engines.partial_kv import BlockSummaries, PartialSession
 from specsplit.messages import VerifyRequest, VerifyResult
 from specsplit.pipeline import DecodeParams, decode
 from specsplit.runtime.attention import ATTENTION_NAME
