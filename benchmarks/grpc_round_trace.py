@@ -643,7 +643,6 @@ def main(argv: list[str] | None = None) -> int:
                 "SPECSPLIT_TRACE_SWITCH_INTERVAL",
                 "SPECSPLIT_TRACE_SPIN_S",
                 "SPECSPLIT_TRACE_NO_DEFER",
-                "SPECSPLIT_SDPA_CUDNN",
             )
             if k in os.environ
         )

@@ -25,6 +25,7 @@ exactly the size the round needs.
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 import torch
 
@@ -50,6 +51,25 @@ def tree_size(k: int, sizes: tuple[int, ...] = TREE_SIZES) -> int:
     if k <= 0:
         return 0
     return next((s for s in sizes if s >= k), sizes[-1])
+
+
+class DrafterSession(Protocol):
+    """One generation's host-side drafter: kept in step with the committed tokens, asked for a
+    proposal every round (the model drafter is the DraftEngine behind a transport instead)."""
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+    def propose(self) -> Proposal: ...
+
+    def finish(self) -> None: ...
+
+
+class Drafter(Protocol):
+    """A process-wide drafter that runs beside the round loop (``ngram``, ``suffix``)."""
+
+    def session(self, prompt: list[int]) -> DrafterSession: ...
+
+    def clear(self) -> None: ...
 
 
 class NgramDrafter:

@@ -38,7 +38,6 @@ plan (see benchmarks/NOTES.md, "Avoiding cuDNN SDPA"). :data:`AVOID_CUDNN` holds
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Literal
 
 import torch
@@ -51,7 +50,8 @@ ATTENTION_NAME = "specsplit"  # the name registered with transformers' Attention
 FOLD_KWARG = "specsplit_fold_gqa"  # model-forward kwarg: fold GQA into the query rows
 RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg: a SpecPV QueryRecorder
 ENGINE_KWARG = "specsplit_engine"  # model-forward kwarg: a SpecSplit engine's forward (see above)
-AVOID_CUDNN = os.environ.get("SPECSPLIT_SDPA_CUDNN", "0") != "1"  # engine forwards' SDPA skips cuDNN
+# Engine forwards' SDPA skips cuDNN (a module attribute so a benchmark can route around it for an A/B)
+AVOID_CUDNN = True
 FOLD_MAX_ROWS = 64  # tree forwards; a long prefill keeps SDPA (its folded mask would be huge)
 # Below this many cached tokens transformers' path is as fast or faster, so the fold starts here (see
 # benchmarks/NOTES.md, "Folded GQA attention and the math kernel").
