@@ -141,7 +141,7 @@ def test_one_named_client_cannot_take_every_call_slot(tmp_path) -> None:
 
 
 def test_fair_gate_gives_a_newcomer_the_next_permit() -> None:
-    gate = FairGate(2, fair=True)
+    gate = FairGate(2, fair=True, recent_s=0.2)
     assert gate.acquire("a", 0) and gate.acquire("a", 0)
     got: list[str] = []
 
@@ -162,12 +162,37 @@ def test_fair_gate_gives_a_newcomer_the_next_permit() -> None:
     assert got == ["b"]
     gate.release("b")
     gate.release("a")
-    time.sleep(0.2)
-    assert got.count("a") == 2  # "a" alone again: both permits
+    time.sleep(0.05)
+    assert got.count("a") == 1  # "b" was served a moment ago: "a" keeps to its share a while
+    time.sleep(0.5)
+    assert got.count("a") == 2  # "b" is gone: "a" gets both permits
     gate.release("a")
     for w in a_waiters:
         w.join(5)
     assert got.count("a") == 3
+
+
+def test_fair_gate_serves_waiting_keys_in_turn() -> None:
+    gate = FairGate(1, fair=True)
+    assert gate.acquire("a", 0)
+    got: list[str] = []
+
+    def take(key: str) -> None:
+        assert gate.acquire(key, 5)
+        got.append(key)
+        gate.release(key)
+
+    threads = [threading.Thread(target=take, args=("a",)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    threads.append(threading.Thread(target=take, args=("b",)))
+    threads[-1].start()
+    time.sleep(0.1)
+    gate.release("a")
+    for t in threads:
+        t.join(5)
+    assert got[0] == "b"  # however many calls "a" has waiting
 
 
 def test_compute_is_shared_between_clients() -> None:

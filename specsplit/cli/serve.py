@@ -82,8 +82,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compute-slots",
         type=int,
-        default=None,
-        help="engine calls running at once, shared fairly between clients (default: 1 on CPU, 2 on GPU)",
+        default=2,
+        help="engine calls (or rounds of generations run here) at once, shared fairly between clients",
     )
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued call waits for a slot")
     p.add_argument(

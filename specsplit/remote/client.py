@@ -73,11 +73,8 @@ import grpc
 
 from specsplit.config import SpecSplitConfig
 from specsplit.errors import (
-    CacheDesyncError,
     ConfigError,
     InvalidRequest,
-    ResourceExhausted,
-    SessionNotFound,
     SpecSplitError,
     TransportError,
 )
@@ -85,7 +82,6 @@ from specsplit.messages import (
     DraftRequest,
     DraftResult,
     GenerateRequest,
-    GenerateUpdate,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
@@ -93,11 +89,20 @@ from specsplit.messages import (
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
+from specsplit.remote.calls import (
+    AuthenticationError,
+    GenerateStream,
+    Peer,
+    error_details,
+    retry_after,
+    to_error,
+)
 from specsplit.remote.protocol import PROTOCOL_VERSION
 
-# Kept in sync with specsplit.remote.clients / admission (not imported: the client needs neither).
+__all__ = ["STREAM_FULL_KEY", "AuthenticationError", "GenerateStream", "GrpcTransport"]
+
+# Kept in sync with specsplit.remote.clients (not imported: the client needs none of it).
 _SECRET_KEY = "specsplit-client-secret"
-_RETRY_AFTER_KEY = "retry-after-ms"
 
 logger = logging.getLogger(__name__)
 
@@ -117,20 +122,6 @@ _PROBE_FIRST_S = 0.25  # background probes of a failed draft worker: first wait 
 _PROBE_MAX_S = 2.0  # ... doubling up to this
 
 
-class AuthenticationError(TransportError):
-    """A worker refused this client's credentials (``UNAUTHENTICATED``)."""
-
-
-class _Peer:
-    """One worker: its address, channel and stub."""
-
-    def __init__(self, role: str, address: str, channel: grpc.Channel, stub: Any):
-        self.role = role
-        self.address = address
-        self.channel = channel
-        self.stub = stub
-
-
 class _Stream:
     """One method's long-lived bidirectional stream to a worker, used by one call at a time.
 
@@ -139,7 +130,7 @@ class _Stream:
     cancels the stream past it, or closes it after ``_STREAM_IDLE_S`` unused.
     """
 
-    def __init__(self, peer: _Peer, method: str):
+    def __init__(self, peer: Peer, method: str):
         self.peer, self.method = peer, method
         self.lock = threading.Lock()
         self.call: Any = None
@@ -229,7 +220,7 @@ class GrpcTransport:
             ("grpc.enable_retries", 1),  # transparent retry of calls that never left the client
         ]
 
-        def peer(role: str, address: str, stub_cls: Any) -> _Peer:
+        def peer(role: str, address: str, stub_cls: Any) -> Peer:
             if auth_token and creds is None and not _is_loopback(address):
                 logger.warning("sending the auth token to %s without TLS (set tls_ca_file)", address)
             ch = (
@@ -237,7 +228,7 @@ class GrpcTransport:
                 if creds is not None
                 else grpc.insecure_channel(address, options=options)
             )
-            return _Peer(role, address, ch, stub_cls(ch))
+            return Peer(role, address, ch, stub_cls(ch))
 
         self._target = peer("target", target_address, pb_grpc.TargetServiceStub) if target_address else None
         self._draft = peer("draft", draft_address, pb_grpc.DraftServiceStub) if draft_address else None
@@ -434,12 +425,12 @@ class GrpcTransport:
         return f"GrpcTransport(target={target!r}, draft={draft!r})"
 
     # ------------------------------------------------------------------ internals
-    def _target_peer(self) -> _Peer:
+    def _target_peer(self) -> Peer:
         if self._target is None:
             raise TransportError("no target worker configured (target_address is None)")
         return self._target
 
-    def _ping(self, peer: _Peer, msg: pb.PingRequest) -> WorkerInfo:
+    def _ping(self, peer: Peer, msg: pb.PingRequest) -> WorkerInfo:
         info = convert.worker_info_from_proto(
             self._call(peer, "Ping", msg, timeout=self.timeout_s, retry=True)
         )
@@ -471,7 +462,7 @@ class GrpcTransport:
             )
 
     def _call_or_stream(
-        self, peer: _Peer, method: str, stream: _Stream | None, msg: Any, *, retry: bool
+        self, peer: Peer, method: str, stream: _Stream | None, msg: Any, *, retry: bool
     ) -> Any:
         """One unary ``method`` call (``GenerateDrafts`` / ``VerifyDrafts``), over ``stream`` where it can.
 
@@ -504,8 +495,8 @@ class GrpcTransport:
             elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and md.get(STREAM_FULL_KEY) == "full":
                 stream.retry_at = time.monotonic() + _STREAM_REFUSED_S
                 logger.info("%s worker at %s refused a stream (%s); unary calls for %.0fs", peer.role,
-                            peer.address, _details(e), _STREAM_REFUSED_S)  # fmt: skip
-            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and _retry_after(md) is not None:
+                            peer.address, error_details(e), _STREAM_REFUSED_S)  # fmt: skip
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after(md) is not None:
                 stream.retry_at = time.monotonic() + _STREAM_REFUSED_S  # busy: the unary call waits its turn
             elif code == grpc.StatusCode.CANCELLED and not stream.timed_out and not self._closed:
                 pass  # the worker closed the stream (idle too long) before reading this call: send it unary
@@ -515,7 +506,7 @@ class GrpcTransport:
                     f"within {self.timeout_s:g}s (timeout_s); stream cancelled"
                 ) from None
             elif not (retry and code == grpc.StatusCode.UNAVAILABLE):
-                raise _to_error(peer, method, e) from None
+                raise to_error(peer, method, e) from None
         finally:
             stream.lock.release()
         remaining = deadline - time.monotonic()
@@ -543,7 +534,7 @@ class GrpcTransport:
                         st.lock.release()
 
     def _call(
-        self, peer: _Peer, method: str, msg: Any, *, timeout: float, retry: bool, wait: bool = False
+        self, peer: Peer, method: str, msg: Any, *, timeout: float, retry: bool, wait: bool = False
     ) -> Any:
         """One logical call: attempts share ``timeout``; ``retry`` re-sends on UNAVAILABLE.
 
@@ -564,98 +555,21 @@ class GrpcTransport:
                 code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-                    after = _retry_after(md)
+                    after = retry_after(md)
                     if after is not None and deadline - time.monotonic() > after:
                         time.sleep(after)  # refused for being busy, nothing done: ask again
                         continue
                 if retry and code == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > delay:
                     logger.info("%s worker at %s unavailable (%s); retrying %s", peer.role, peer.address,
-                                _details(e), method)  # fmt: skip
+                                error_details(e), method)  # fmt: skip
                     time.sleep(delay)
                     delay, wait, unavailable = min(delay * 2, _BACKOFF_MAX_S), True, e
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and unavailable is not None:
                     e = unavailable  # the deadline ran out waiting for the worker: report why
-                raise _to_error(peer, method, e) from None
+                raise to_error(peer, method, e) from None
             except ValueError as e:  # grpc raises ValueError on a closed channel
                 raise TransportError(f"{peer.role} worker at {peer.address}: {e}") from None
-
-
-class GenerateStream:
-    """The updates of a generation the target worker runs (:meth:`GrpcTransport.generate_on_target`).
-
-    Iterating yields :class:`~specsplit.transport.GenerateUpdate` s; :meth:`cancel` stops the
-    generation on the worker (which then frees the session on both workers). A watchdog cancels the
-    call when no update arrives for ``timeout_s`` seconds, which surfaces as :class:`TransportError`.
-    A stream that breaks with ``UNAVAILABLE`` is started again from the tokens received so far
-    (see the module docstring), for up to ``timeout_s`` seconds of the worker being away.
-    """
-
-    def __init__(self, start: Any, request: pb.GenerateRequest, peer: _Peer, timeout_s: float):
-        self._start, self._request, self._peer, self._timeout_s = start, request, peer, timeout_s
-        self._received: list[int] = []
-        self._recoveries = 0
-        self._last = time.monotonic()
-        self._done = threading.Event()
-        self._timed_out = False
-        self._call = start(request, False)
-        threading.Thread(target=self._watch, name="specsplit-generate-watchdog", daemon=True).start()
-
-    def _watch(self) -> None:
-        while not self._done.wait(min(self._timeout_s, 1.0)):
-            if time.monotonic() - self._last > self._timeout_s:
-                self._timed_out = True
-                self._call.cancel()
-                return
-
-    def __iter__(self) -> GenerateStream:
-        return self
-
-    def __next__(self) -> GenerateUpdate:
-        while True:
-            try:
-                msg = next(self._call)
-                break
-            except StopIteration:
-                self._done.set()
-                raise
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-                if self._timed_out:
-                    self._done.set()
-                    raise TransportError(
-                        f"target worker at {self._peer.address}: Generate sent nothing for "
-                        f"{self._timeout_s:g}s (timeout_s); cancelled"
-                    ) from None
-                if code != grpc.StatusCode.UNAVAILABLE or self._done.is_set():
-                    self._done.set()
-                    raise _to_error(self._peer, "Generate", e) from None
-                self._resume(e)
-        self._last = time.monotonic()
-        update = convert.generate_update_from_proto(msg)
-        for tokens, _ in update.rounds:
-            self._received.extend(tokens)
-        if msg.done:  # the last message: the watchdog can go
-            self._done.set()
-            update.recoveries += self._recoveries
-        return update
-
-    def _resume(self, error: grpc.RpcError) -> None:
-        """Send the generation again from where the broken stream left it (the worker waited for)."""
-        req = pb.GenerateRequest()
-        req.CopyFrom(self._request)
-        req.prompt_token_ids.extend(self._received)
-        req.max_new_tokens = max(0, self._request.max_new_tokens - len(self._received))
-        self._recoveries += 1
-        logger.info("target worker at %s: Generate stream broke (%s); resending %d tokens of context",
-                    self._peer.address, _details(error), len(req.prompt_token_ids))  # fmt: skip
-        self._last = time.monotonic()  # the watchdog gives the worker timeout_s to come back
-        self._call = self._start(req, True)
-
-    def cancel(self) -> None:
-        """Stop the generation (idempotent)."""
-        self._done.set()
-        self._call.cancel()
 
 
 def _encode(fn: Any, request: Any) -> Any:
@@ -666,51 +580,6 @@ def _encode(fn: Any, request: Any) -> Any:
         if isinstance(e, SpecSplitError):
             raise
         raise InvalidRequest(f"request cannot be encoded for gRPC: {e}") from None
-
-
-def _retry_after(md: dict[str, Any]) -> float | None:
-    """Seconds a worker's ``retry-after-ms`` asks to wait, or None when it sent none."""
-    value = md.get(_RETRY_AFTER_KEY)
-    if isinstance(value, str) and value.isdigit():
-        return min(int(value), 10_000) / 1000.0
-    return None
-
-
-def _details(e: grpc.RpcError) -> str:
-    d = e.details() if hasattr(e, "details") else None
-    return d or str(e)
-
-
-def _to_error(peer: _Peer, method: str, e: grpc.RpcError) -> SpecSplitError:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = _details(e)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(details)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return SessionNotFound(details)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-        exp, act = md.get("specsplit-expected"), md.get("specsplit-actual")
-        return CacheDesyncError(
-            details,
-            expected=int(exp) if isinstance(exp, str) and exp.isdigit() else None,
-            actual=int(act) if isinstance(act, str) and act.isdigit() else None,
-        )
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(details)
-    hint = ""
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthenticationError(
-            f"{peer.role} worker at {peer.address}: {method} failed: {code.name}: {details} "
-            "(set auth_token / SPECSPLIT_AUTH_TOKEN to the worker's token)"
-        )
-    elif code == grpc.StatusCode.UNAVAILABLE:
-        hint = " (is the worker running? for TLS, is tls_ca_file right?)"
-    elif code == grpc.StatusCode.UNIMPLEMENTED:
-        hint = f" (is {peer.address} a {peer.role} worker of this SpecSplit version? grpc_loop='target' needs one)"
-    return TransportError(
-        f"{peer.role} worker at {peer.address}: {method} failed: {code.name}: {details}{hint}"
-    )
 
 
 def _is_loopback(address: str) -> bool:
