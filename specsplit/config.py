@@ -449,6 +449,9 @@ class SpecSplitConfig:
             )
         if self.drafter not in DRAFTERS:
             raise ConfigError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.overlap and self.drafter != "model":
+            raise ConfigError(f"overlap drafts the next round with the draft model: it needs drafter='model', "
+                              f"got {self.drafter!r}")  # fmt: skip
         if self.grpc_loop not in ("client", "target"):
             raise ConfigError(f"grpc_loop must be 'client' or 'target', got {self.grpc_loop!r}")
         if self.grpc_loop == "target" and self.transport != "grpc":

@@ -95,12 +95,15 @@ def test_cpu_draft_worker_refuses_slots_and_sends_trees(engines):
     assert "another host" in exporter.share(pb.ShareTreeSlotsRequest(host_id="elsewhere/1", slots=2)).reason
 
 
-def test_slots_switched_off_by_env(monkeypatch):
-    monkeypatch.setenv("SPECSPLIT_TREE_IPC", "0")
-    exporter = tree_slots.TreeSlotExporter(torch.device("cuda", 0), 64)
+def test_slots_switched_off_on_either_worker():
+    exporter = tree_slots.TreeSlotExporter(
+        torch.device("cuda", 0), 64, enabled=False
+    )  # serve draft --no-tree-ipc
     resp = exporter.share(pb.ShareTreeSlotsRequest(host_id=tree_slots.host_id(), slots=2))
-    assert not resp.available and "SPECSPLIT_TREE_IPC" in resp.reason
-    loop = tl.TargetLoopTransport(object(), _FakeDraft(), lambda c: c)
+    assert not resp.available and "--no-tree-ipc" in resp.reason
+    loop = tl.TargetLoopTransport(
+        object(), _FakeDraft(), lambda c: c, tree_slots=False
+    )  # serve target --no-tree-ipc
     assert loop._want_slots is False
 
 

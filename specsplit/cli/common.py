@@ -28,6 +28,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--drafter``: what drafts each round (``SpecSplitConfig.drafter``)."""
+    p.add_argument(
+        "--drafter", choices=("model", "ngram", "suffix", "hybrid", "auto"), default=None, help=help
+    )
+
+
 def add_tuning_flags(p: argparse.ArgumentParser, pipeline: bool = False) -> None:
     """A/B switches, in their own help group: the defaults are right for most users.
 

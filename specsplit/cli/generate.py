@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from specsplit.cli.common import (
+    add_drafter_flag,
     add_engine_flags,
     add_tuning_flags,
     apply_engine_overrides,
@@ -26,11 +27,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft model: alias, local dir or HF id")
     p.add_argument("--config", default=None, help="JSON/TOML SpecSplitConfig file")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--drafter",
-        choices=("model", "ngram", "suffix", "hybrid", "auto"),
-        default=None,
-        help="what drafts each round: the draft model, n-gram lookup in the prompt and output (ngram; "
+    add_drafter_flag(
+        p,
+        "what drafts each round: the draft model, n-gram lookup in the prompt and output (ngram; "
         "suffix: also earlier generations), both in one tree (hybrid), or a measured choice per round "
         "(auto, the default: n-gram trees, and the --draft model where it pays)",
     )
@@ -63,12 +62,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.config import SpecSplitConfig
+    from specsplit.errors import ConfigError
     from specsplit.generator import DEFAULT_DRAFTER, DRAFTER_ENV, SpecSplitGenerator
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
     if args.drafter:
         cfg.drafter = args.drafter
+    elif args.overlap:  # the overlapped pipeline drafts with the model
+        cfg.drafter = "model"
     elif not args.config and DRAFTER_ENV not in os.environ:
         cfg.drafter = DEFAULT_DRAFTER
     if args.tree:
@@ -85,6 +87,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         apply_engine_overrides(sec, overrides)
     apply_pipeline_overrides(cfg, args)
     if args.overlap:
+        if cfg.drafter != "model":
+            raise ConfigError(
+                f"--overlap drafts the next round with the draft model: not with --drafter {cfg.drafter}"
+            )
         cfg.overlap = True
     target = args.target or cfg.target.model or DEFAULT_TARGET
     wants_model = cfg.drafter in ("model", "hybrid", "auto")

@@ -20,7 +20,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specsplit.cli.common import add_engine_flags, add_tuning_flags, check_engine_flags, engine_overrides
+from specsplit.cli.common import (
+    add_drafter_flag,
+    add_engine_flags,
+    add_tuning_flags,
+    check_engine_flags,
+    engine_overrides,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -116,11 +122,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="target: host:port of the draft worker this worker calls when it runs a client's rounds "
         "(clients with grpc_loop='target': one network hop a round instead of two)",
     )
-    p.add_argument(
-        "--drafter",
-        choices=("model", "ngram", "suffix", "hybrid", "auto"),
-        default=None,
-        help="target: what drafts the rounds this worker runs (clients with grpc_loop='target') when a "
+    add_drafter_flag(
+        p,
+        "target: what drafts the rounds this worker runs (clients with grpc_loop='target') when a "
         "request names none: the draft worker's model (default), or n-gram drafting on this worker itself "
         "(ngram, suffix: no draft worker needed), or both (hybrid, auto)",
     )
@@ -173,9 +177,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--tree-ipc",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="target: with the draft worker on this host and both on CUDA GPUs, read each round's tree from "
-        "the draft worker's GPU memory (CUDA IPC) instead of its reply (default on; falls back to replies "
-        "where it cannot); --no-tree-ipc: trees always travel in replies",
+        help="with the two workers on one host's CUDA GPUs, pass each round's tree through the draft worker's "
+        "GPU memory (CUDA IPC) instead of its reply (default on; falls back to replies where it cannot); "
+        "--no-tree-ipc on either worker: trees always travel in replies",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -296,13 +300,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         or args.draft_auth_token_file
         or args.draft_tls_ca
         or args.grpc_streams is not None
-        or args.tree_ipc is not None
         or args.draft_timeout is not None
         or args.drafter is not None
     ):
         raise ConfigError(
-            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter, "
-            "--[no-]grpc-streams and --[no-]tree-ipc are target options"
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter "
+            "and --[no-]grpc-streams are target options"
         )
     if args.draft_timeout is not None and args.draft_timeout <= 0:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
@@ -353,7 +356,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = TargetEngine(_load(args), config=tcfg)
     if args.role == "draft":
         server = serve_draft(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
-                             auth_token=token, limits=limits, admission=admission)  # fmt: skip
+                             auth_token=token, limits=limits, admission=admission,
+                             tree_slots=args.tree_ipc is not False)  # fmt: skip
     else:
         server = serve_target(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
                               auth_token=token, limits=limits, admission=admission, **draft_peer)  # fmt: skip

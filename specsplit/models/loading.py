@@ -19,47 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 from specsplit.errors import ConfigError, ModelLoadError
 from specsplit.models.fetcher import (
-    CACHE_DTYPES,
-    CACHE_ENV,
-    DEFAULT_DRAFT,
-    DEFAULT_TARGET,
-    MANIFEST_NAME,
     MODELS,
     PAIRS,
-    CachedModel,
-    ModelSpec,
-    WheelPart,
     cache_flavour,
     cache_root,
     cached_dir,
-    fetch,
     fetch_model,
-    list_models,
 )
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = [
-    "CACHE_DTYPES",
-    "CACHE_ENV",
-    "DEFAULT_DRAFT",
-    "DEFAULT_TARGET",
-    "MANIFEST_NAME",
-    "MODELS",
-    "PAIRS",
-    "CachedModel",
-    "ModelSpec",
-    "WheelPart",
-    "cache_root",
-    "fetch",
-    "fetch_model",
-    "list_models",
-    "load_model",
-    "load_tokenizer",
-    "resolve_model_path",
-]
+__all__ = ["load_model", "load_tokenizer", "resolve_model_path"]
 
 logger = logging.getLogger(__name__)
 

@@ -342,11 +342,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         limits: ServerLimits | None = None,
         max_streams: int = 4,
         admission: Admission | None = None,
+        tree_slots: bool = True,
     ):
         self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams, admission)
         cfg = getattr(engine, "config", None)
         self._slots = TreeSlotExporter(
-            getattr(engine, "device", torch.device("cpu")), getattr(cfg, "max_tree_nodes", 64)
+            getattr(engine, "device", torch.device("cpu")), getattr(cfg, "max_tree_nodes", 64), tree_slots
         )
 
     def _check_limits(self, m: pb.DraftRequest) -> None:

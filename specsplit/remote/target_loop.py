@@ -41,7 +41,6 @@ from specsplit.remote.tree_slots import (
     SlotDraftResult,
     TreeSlotImporter,
     host_id,
-    ipc_enabled,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ class TargetLoopTransport:
         self.engine = engine
         self._draft = draft
         self._clamp = clamp_capacity
-        self._want_slots = tree_slots and draft is not None and ipc_enabled()
+        self._want_slots = tree_slots and draft is not None
         self._slots: TreeSlotImporter | None = None
         self._slot_of: dict[str, int] = {}  # session -> its slot in self._slots
         self._free: list[int] = []

@@ -37,7 +37,6 @@ without a shared IPC namespace), or when the target worker is started with ``--n
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import uuid
@@ -97,11 +96,6 @@ MAX_SLOTS = 16  # per channel
 MAX_CHANNELS = 8  # per draft worker; the least recently shared is dropped beyond this
 
 
-def ipc_enabled() -> bool:
-    """False when ``SPECSPLIT_TREE_IPC=0`` (the A/B switch; either worker can turn slots off)."""
-    return os.environ.get("SPECSPLIT_TREE_IPC", "1").strip() not in ("0", "false", "off", "no")
-
-
 def host_id() -> str:
     """This host's identity: hostname and kernel boot id (CUDA IPC handles only open on one host)."""
     try:
@@ -135,9 +129,12 @@ class TreeSlotExporter:
     Args:
         device: the draft engine's device (slots are refused unless it is a CUDA device).
         slot_nodes: most nodes a slot holds (the draft's ``max_tree_nodes``).
+        enabled: grant slots at all (``specsplit serve draft --no-tree-ipc``: trees always travel in
+            replies).
     """
 
-    def __init__(self, device: torch.device, slot_nodes: int):
+    def __init__(self, device: torch.device, slot_nodes: int, enabled: bool = True):
+        self.enabled = enabled
         self.device = torch.device(device)
         self.slot_nodes = slot_nodes
         self._channels: OrderedDict[str, _Channel] = OrderedDict()
@@ -187,8 +184,8 @@ class TreeSlotExporter:
         )
 
     def _refusal(self, req: pb.ShareTreeSlotsRequest) -> str:
-        if not ipc_enabled():
-            return "tree slots are off on the draft worker (SPECSPLIT_TREE_IPC=0)"
+        if not self.enabled:
+            return "tree slots are off on the draft worker (specsplit serve draft --no-tree-ipc)"
         if self.device.type != "cuda":
             return f"the draft runs on {self.device}, not a CUDA device"
         if req.host_id != host_id():

@@ -204,6 +204,7 @@ def serve_draft(
     auth_token: str | ClientTokens | None = None,
     limits: ServerLimits | None = None,
     admission: AdmissionLimits | None = None,
+    tree_slots: bool = True,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.engines.draft.DraftEngine` (loaded) over gRPC and return at once.
 
@@ -219,6 +220,7 @@ def serve_draft(
             (:class:`~specsplit.remote.clients.ClientTokens`).
         limits: request and memory limits (defaults: :class:`~specsplit.remote.server.ServerLimits`).
         admission: bounds on calls, queues and compute (see :mod:`specsplit.remote.admission`).
+        tree_slots: grant co-located target workers tree slots (:mod:`specsplit.remote.tree_slots`).
 
     Returns:
         The running :class:`WorkerServer`.
@@ -226,7 +228,7 @@ def serve_draft(
     limits = limits or ServerLimits()
     tokens = _tokens(auth_token)
     adm = _admission(max_workers, admission, tokens)
-    servicer = DraftServicer(engine, limits, max_streams(adm.limits.max_calls), adm)
+    servicer = DraftServicer(engine, limits, max_streams(adm.limits.max_calls), adm, tree_slots)
     _limit_engine(engine, servicer._h, limits, tokens)
     server = _serve("draft", servicer, pb_grpc.add_DraftServiceServicer_to_server, engine, port, host, adm, tls,
                     tokens, limits)  # fmt: skip
