@@ -92,6 +92,8 @@ class _Estimate:
 
     def __init__(self, skip_first: bool = False) -> None:
         self._skip = skip_first
+        # A size whose first round may have stalled needs a second sample before it is believed.
+        self._needed = 2 if skip_first else 1
         self.samples: deque[float] = deque(maxlen=_WINDOW)
 
     def add(self, seconds: float) -> None:
@@ -102,8 +104,8 @@ class _Estimate:
 
     @property
     def trusted(self) -> bool:
-        """Two samples or more: a single stall can no longer be the estimate."""
-        return len(self.samples) >= 2
+        """Enough samples that a single stall can no longer be the estimate."""
+        return len(self.samples) >= self._needed
 
     @property
     def value(self) -> float | None:
@@ -116,13 +118,19 @@ class _Estimate:
 
 class _Curve:
     """Verification seconds by tree size: a robust estimate per measured size, interpolated between
-    sizes and extrapolated beyond them; sizes measured fewer than twice borrow from the others."""
+    sizes and extrapolated beyond them; sizes measured fewer than twice borrow from the others.
 
-    def __init__(self) -> None:
+    Args:
+        skip_first: drop each size's first sample (a target that replays graphs captures, and may
+            compile, on a size's first round); an eager target's first round is a real cost.
+    """
+
+    def __init__(self, skip_first: bool = True) -> None:
         self.sizes: dict[int, _Estimate] = {}
+        self._skip_first = skip_first
 
     def add(self, n: int, seconds: float) -> None:
-        self.sizes.setdefault(n, _Estimate(skip_first=True)).add(seconds)
+        self.sizes.setdefault(n, _Estimate(skip_first=self._skip_first)).add(seconds)
 
     def __call__(self, n: int) -> float | None:
         est = self.sizes.get(n)
@@ -203,7 +211,7 @@ class CostModel:
         self.padded = padded
         self.sizes = tree_sizes(max_ngram, padded) if max_ngram > 0 else ()
         self.costs = costs
-        self.verify = _Curve()
+        self.verify = _Curve(skip_first=padded)
         self._fixed = _Estimate()
         self._model_cost = _Estimate()
         self.model_tau: float | None = None  # tokens a round with the model's tree alone
