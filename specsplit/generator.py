@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from specsplit.config import Drafter, SpecSplitConfig
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.cost_model import CostModels
 from specsplit.engines.draft import DraftEngine
 from specsplit.engines.drafters import NgramDrafter
+from specsplit.engines.processing import SCORE_FIELDS, needs_processing
 from specsplit.engines.target import TargetEngine
 from specsplit.errors import ConfigError
 from specsplit.local import LocalTransport
-from specsplit.pipeline import DecodeParams, OverlapPolicies, OverlapPolicy, decode
+from specsplit.messages import LogitsProcessing
+from specsplit.pipeline import DecodeOutputs, DecodeParams, OverlapPolicies, OverlapPolicy, decode
 from specsplit.telemetry import SpecStats
 from specsplit.transport import Transport
 
@@ -30,28 +36,37 @@ logger = logging.getLogger(__name__)
 DEFAULT_DRAFTER: Drafter = "auto"
 DRAFTER_ENV = "SPECSPLIT_DRAFTER"
 
-# GenerationConfig fields we honour; others that change the distribution are refused or warned about.
-_UNSUPPORTED_IF_SET: dict[str, Any] = {
-    "num_beams": 1,
-    "num_beam_groups": 1,
-    "penalty_alpha": None,
-    "constraints": None,
-    "force_words_ids": None,
+# GenerationConfig fields that change the output and that SpecSplit refuses (beam search and the
+# other multi-hypothesis or model-internal modes), with the values that mean "off".
+_UNSUPPORTED_IF_SET: dict[str, tuple[Any, ...]] = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "penalty_alpha": (None,),
+    "constraints": (None,),
+    "force_words_ids": (None,),
+    "diversity_penalty": (None, 0.0),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+    "token_healing": (None, False),
+    "dola_layers": (None,),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "use_mtp": (None, False),
 }
-_IGNORED_WARN: dict[str, Any] = {
+# Score options that mean "off" (left out of the options sent to the target).
+_NEUTRAL: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
-    "min_new_tokens": None,
     "min_length": 0,
+    "min_new_tokens": 0,
     "typical_p": 1.0,
-    "min_p": None,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
-    "bad_words_ids": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "top_k": 0,
+    "top_p": 1.0,
+    "temperature": 1.0,
 }
 
 
@@ -64,22 +79,65 @@ class SpecSplitOutput:
             finished rows padded with ``pad_token_id``).
         spec_stats: statistics of the whole batch.
         per_sequence_stats: one :class:`SpecStats` per row.
+        scores: with ``output_scores=True``, as HF returns them: one `[batch, vocab]` float32
+            tensor per generated step, the target's processed scores (after every logits
+            processor and warper) of the token chosen at that step; rows that already ended hold
+            ``-inf``.
+        logits: with ``output_logits=True``: the raw target logits, in the same layout.
     """
 
     sequences: torch.Tensor
     spec_stats: SpecStats
     per_sequence_stats: list[SpecStats] = field(default_factory=list)
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
 
 
 def _generation_config_from(name: str) -> GenerationConfig | None:
     """The generation config saved with a model (alias or directory), if there is one."""
-    from specsplit.models import resolve_model_path
+    from specsplit.models import apply_generation_defaults, resolve_model_path
 
     try:
-        return GenerationConfig.from_pretrained(resolve_model_path(name))
+        return apply_generation_defaults(GenerationConfig.from_pretrained(resolve_model_path(name)), name)
     except Exception as e:  # no file, or not resolvable offline: keep HF defaults
         logger.debug("no generation config for %s: %s", name, e)
         return None
+
+
+def score_options(gc: GenerationConfig, width: int, max_new_tokens: int) -> dict[str, Any]:
+    """The ``GenerationConfig`` fields that shape the scores, as JSON values, lengths counted from
+    the start of the (padded) prompt as ``generate()`` counts them; "off" values left out."""
+    options: dict[str, Any] = {}
+    for name in SCORE_FIELDS:
+        value = getattr(gc, name, None)
+        if value is None or (name in _NEUTRAL and value == _NEUTRAL[name]):
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        if name == "sequence_bias" and isinstance(value, dict):  # {(ids...): bias} -> [[ids], bias]
+            value = [[list(k), float(v)] for k, v in value.items()]
+        options[name] = value
+    options["max_length"] = width + max_new_tokens
+    if gc.min_new_tokens:
+        options["min_length"] = width + int(gc.min_new_tokens)
+    return options
+
+
+def _steps(per_row: list[list[torch.Tensor]], width: int) -> tuple[torch.Tensor, ...]:
+    """Per-row lists of `[vocab]` rows -> one `[batch, vocab]` tensor per step (-inf past a row's end)."""
+    first = next((r[0] for r in per_row if r), None)
+    if first is None:
+        return ()
+    out = []
+    for t in range(width):
+        step = torch.full(
+            (len(per_row), first.shape[-1]), float("-inf"), dtype=first.dtype, device=first.device
+        )
+        for b, r in enumerate(per_row):
+            if t < len(r):
+                step[b] = r[t].to(first.device)
+        out.append(step)
+    return tuple(out)
 
 
 class SpecSplitGenerator:
@@ -192,6 +250,9 @@ class SpecSplitGenerator:
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | list[Any] | None = None,
+        stopping_criteria: StoppingCriteriaList | list[Any] | None = None,
+        prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
         *,
         streamer: Any = None,
         generator: torch.Generator | None = None,
@@ -201,19 +262,34 @@ class SpecSplitGenerator:
     ) -> torch.Tensor | SpecSplitOutput:
         """Like ``model.generate``: greedy output equals the target's, sampling matches its distribution.
 
+        Every ``GenerationConfig`` option that shapes one sequence's scores is applied exactly as
+        ``generate()`` applies it (penalties, n-gram bans, length rules, bad words, biases, forced
+        tokens, typical / min-p / epsilon / eta sampling, ...): the target runs the same logits
+        processors on every row of every verified tree, each with that row's own context. Options
+        SpecSplit cannot honour (beam search, contrastive search, guidance, watermarking, ...) raise
+        :class:`~specsplit.errors.ConfigError`.
+
         Args:
             input_ids: `[batch, prompt]` int64 (left-padded for batch > 1).
             attention_mask: `[batch, prompt]` 1 = token, 0 = padding.
             generation_config: an HF ``GenerationConfig``; keyword arguments override its fields
                 (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-                ``eos_token_id``, ``pad_token_id``, ``stop_strings``, ...).
+                ``repetition_penalty``, ``eos_token_id``, ``stop_strings``, ``output_scores``,
+                ``num_return_sequences``, ...).
+            logits_processor: extra HF logits processors, merged as ``generate()`` merges them.
+                They must be functions of ``(input_ids, scores)`` row by row (as HF's own are);
+                in-process transport only.
+            stopping_criteria: extra HF stopping criteria, called after every committed token on
+                the whole sequence (``scores`` is the token's row when ``output_scores`` is on,
+                else None).
+            prefix_allowed_tokens_fn: as in ``generate()`` (in-process transport only).
             streamer: an HF streamer (batch 1 only), fed after every round.
             generator: CPU ``torch.Generator`` that makes sampling reproducible.
             tokenizer: for stop strings (defaults to the generator's tokenizer).
             return_dict_in_generate: return a :class:`SpecSplitOutput` instead of a tensor.
 
         Returns:
-            `[batch, prompt + new]` int64 tensor, or :class:`SpecSplitOutput`.
+            `[batch * num_return_sequences, prompt + new]` int64 tensor, or :class:`SpecSplitOutput`.
         """
         if input_ids is None:
             raise ValueError("input_ids is required")
@@ -226,22 +302,42 @@ class SpecSplitGenerator:
         return_dict = bool(
             return_dict_in_generate if return_dict_in_generate is not None else gc.return_dict_in_generate
         )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        copies = int(gc.num_return_sequences or 1)
+        if copies > 1:
+            if not gc.do_sample:
+                raise ConfigError(
+                    "num_return_sequences > 1 needs do_sample=True (beam search is not supported)"
+                )
+            input_ids = input_ids.repeat_interleave(copies, dim=0)
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
         params = self._decode_params(gc, input_ids.shape[1], tokenizer or self.tokenizer, generator)
+        params.stopping_criteria = list(stopping_criteria or [])
+        if gc.max_time is not None:
+            params.stopping_criteria.append(MaxTimeCriteria(float(gc.max_time)))
+        custom = list(logits_processor or [])
         batch = input_ids.shape[0]
         if streamer is not None and batch > 1:
             raise ValueError("streamers support batch size 1 only (as in transformers)")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
         rows: list[list[int]] = []
         all_stats: list[SpecStats] = []
+        row_outputs: list[DecodeOutputs] = []
         if streamer is not None:
             streamer.put(input_ids[0].cpu())
         for b in range(batch):
-            prompt = input_ids[b][attention_mask[b].bool()].tolist()
+            keep = attention_mask[b].bool()
+            prompt = input_ids[b][keep].tolist()
+            pads = input_ids[b][: int((~keep).sum())].tolist()  # left padding, as generate() sees it
+            row_params = self._row_params(
+                params, gc, input_ids.shape[1], pads, custom, prefix_allowed_tokens_fn, b
+            )
             on_tokens = (lambda t: streamer.put(torch.tensor(t, dtype=torch.long))) if streamer else None
-            new, stats = decode(self.transport, prompt, params, on_tokens=on_tokens)
+            outputs = DecodeOutputs()
+            new, stats = decode(self.transport, prompt, row_params, on_tokens=on_tokens, outputs=outputs)
             rows.append(new)
             all_stats.append(stats)
+            row_outputs.append(outputs)
         if streamer is not None:
             streamer.end()
         pad = self._pad_id(gc)
@@ -252,21 +348,23 @@ class SpecSplitGenerator:
                 new_part[b, : len(r)] = torch.tensor(r, dtype=input_ids.dtype)
         sequences = torch.cat([input_ids.cpu(), new_part], dim=1)
         if return_dict:
-            return SpecSplitOutput(sequences, SpecStats.merge(all_stats), all_stats)
+            return SpecSplitOutput(
+                sequences,
+                SpecStats.merge(all_stats),
+                all_stats,
+                scores=_steps([o.scores for o in row_outputs], width) if params.return_scores else None,
+                logits=_steps([o.logits for o in row_outputs], width) if params.return_logits else None,
+            )
         return sequences
 
     def _decode_params(
         self, gc: GenerationConfig, prompt_len: int, tokenizer: Any, generator: torch.Generator | None
     ) -> DecodeParams:
-        for name, default in _UNSUPPORTED_IF_SET.items():
-            if getattr(gc, name, default) not in (default, None):
+        for name, off in _UNSUPPORTED_IF_SET.items():
+            if getattr(gc, name, None) not in off:
                 raise ConfigError(
                     f"generation option {name}={getattr(gc, name)!r} is not supported by SpecSplit"
                 )
-        for name, default in _IGNORED_WARN.items():
-            val = getattr(gc, name, default)
-            if val is not None and val != default:
-                logger.warning("generation option %s=%r is ignored by SpecSplit", name, val)
         if gc.max_new_tokens is not None:
             max_new = int(gc.max_new_tokens)
         else:
@@ -310,7 +408,30 @@ class SpecSplitGenerator:
                 self.config.tuning.ngram.max_nodes,
                 self._padded_trees(),
             ),
+            return_scores=bool(gc.output_scores),
+            return_logits=bool(gc.output_logits),
         )
+
+    def _row_params(
+        self,
+        params: DecodeParams,
+        gc: GenerationConfig,
+        width: int,
+        pads: list[int],
+        custom: list[Any],
+        prefix_fn: Callable[[int, torch.Tensor], list[int]] | None,
+        row: int,
+    ) -> DecodeParams:
+        """One row's parameters: the logits processing it needs (its left padding is part of the
+        context HF's processors see) and what its stopping criteria see before the prompt."""
+        options = score_options(gc, width, params.max_new_tokens)
+        procs = list(custom)
+        if prefix_fn is not None:  # PrefixConstrainedLogitsProcessor, told this row's batch index
+            procs.append(PrefixConstrainedLogitsProcessor(lambda _i, ids: prefix_fn(row, ids), 1))
+        if not (procs or needs_processing(options) or params.return_scores):
+            return dataclasses.replace(params, criteria_prefix=pads)
+        spec = LogitsProcessing(options, width, pads, procs)
+        return dataclasses.replace(params, processing=spec, criteria_prefix=pads)
 
     def _padded_trees(self) -> bool:
         """Pad n-gram trees to a few sizes: the target may replay graphs (a remote one may: padding

@@ -16,7 +16,9 @@ Round protocol (see DESIGN.md):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from specsplit.config import TreeConfig
 from specsplit.core.sampling import SamplingParams
@@ -43,6 +45,50 @@ class WorkerStats:
     def busy_s(self) -> float:
         """Time the call spent on the worker's side (engine, or whole handler over gRPC)."""
         return max(self.wall_time_s, self.server_time_s)
+
+
+@dataclass
+class LogitsProcessing:
+    """Hugging Face generation options that reshape the target's scores, for the target to apply.
+
+    The target builds the same ``LogitsProcessorList`` ``model.generate()`` would build from these
+    options and applies it to every row of a verified tree with that row's own context (prompt,
+    committed tokens, the row's path), so greedy verification compares against the processed
+    argmax and sampling verification uses the processed distribution.
+
+    Attributes:
+        options: ``GenerationConfig`` fields that shape the scores (JSON values; see
+            :data:`specsplit.engines.processing.SCORE_FIELDS`); lengths (``max_length``,
+            ``min_length``) already counted from the start of the prompt as ``generate()`` does.
+        prompt_length: the prompt's length as ``generate()`` counts it (left padding included).
+        prefix_token_ids: the left padding ``generate()``'s processors see before this row's prompt.
+        processors: user ``LogitsProcessor`` objects (in-process only: they cannot cross gRPC).
+    """
+
+    options: dict[str, Any]
+    prompt_length: int
+    prefix_token_ids: list[int] = field(default_factory=list)
+    processors: list[Any] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The wire form (without ``processors``)."""
+        return json.dumps(
+            {"options": self.options, "prompt_length": self.prompt_length, "prefix": self.prefix_token_ids},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> LogitsProcessing:
+        d = json.loads(text)
+        if not isinstance(d, dict) or not isinstance(d.get("options"), dict):
+            raise ValueError("processing must be a JSON object with an 'options' object")
+        prefix = d.get("prefix", [])
+        if not isinstance(prefix, list) or not all(isinstance(t, int) for t in prefix):
+            raise ValueError("processing 'prefix' must be a list of token ids")
+        length = d.get("prompt_length", 0)
+        if not isinstance(length, int) or length < 0:
+            raise ValueError("processing 'prompt_length' must be an int >= 0")
+        return cls(d["options"], length, prefix)
 
 
 @dataclass
@@ -106,6 +152,9 @@ class VerifyRequest:
         sampling: sampling parameters; ``do_sample=False`` = greedy verification.
         seed: seed for this round's verification randomness.
         capacity_hint: total tokens the session may reach (sizes the cache once).
+        processing: HF logits processors to apply to every row (None: ``sampling`` alone).
+        return_scores / return_logits: return the processed scores / raw logits of the rows that
+            decided the committed tokens (``generate(output_scores=True / output_logits=True)``).
     """
 
     session_id: str
@@ -115,6 +164,9 @@ class VerifyRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     capacity_hint: int = 0
+    processing: LogitsProcessing | None = None
+    return_scores: bool = False
+    return_logits: bool = False
 
 
 @dataclass
@@ -128,6 +180,8 @@ class VerifyResult:
         prefix_length: target cache length afterwards (``next_token_id`` is not in it yet).
         num_drafted: length of the longest drafted path (depth of the tree).
         num_nodes: nodes in the verified tree.
+        scores / logits: `[accepted + 1, vocab]` float32 processed scores / raw logits of the rows
+            that decided ``accepted_token_ids + [next_token_id]`` (only when the request asked).
     """
 
     accepted_token_ids: list[int]
@@ -138,6 +192,8 @@ class VerifyResult:
     num_nodes: int
     stats: WorkerStats = field(default_factory=WorkerStats)
     cache_hit: bool = False
+    scores: Any = None  # torch.Tensor | None
+    logits: Any = None  # torch.Tensor | None
 
     @property
     def acceptance_rate(self) -> float:
@@ -167,6 +223,7 @@ class GenerateRequest:
             per-round seeds are drawn from (empty: a fresh nondeterministic generator).
         overlap / overlap_policy: as in :class:`~specsplit.config.SpecSplitConfig`.
         drafter: as ``SpecSplitConfig.drafter``; ``""``: the worker's default.
+        processing: HF logits processors (options only: custom processors cannot cross gRPC).
     """
 
     session_id: str
@@ -179,6 +236,7 @@ class GenerateRequest:
     overlap: bool = False
     overlap_policy: str = "adaptive"
     drafter: str = ""
+    processing: LogitsProcessing | None = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
 from specsplit.remote.admission import RETRY_AFTER_KEY, AdmissionLimits, FairGate  # noqa: E402
 from specsplit.remote.clients import ClientTokens  # noqa: E402
+from specsplit.remote.protocol import PROTOCOL_VERSION
 from specsplit.remote.server import ServerLimits, check_tree_spec  # noqa: E402
 
 
@@ -60,7 +61,7 @@ class Engine:
         return False
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_type, "scripted", 100, "float32", "cpu", "specsplit.v1", 0)
+        return WorkerInfo(self.worker_type, "scripted", 100, "float32", "cpu", PROTOCOL_VERSION, 0)
 
 
 def verify_msg(session: str = "s", n: int = 1) -> pb.VerifyRequest:

@@ -78,7 +78,7 @@ class FakeRegistry:
                 zf.writestr(member, payload)
                 zf.writestr(member.split("/")[0] + "/__init__.py", "")
 
-    def convert(self, gguf: Path, dtype: str, out_dir: Path) -> None:
+    def convert(self, gguf: Path, dtype: str, out_dir: Path, spec: object = None) -> None:
         self.conversions.append((gguf.read_bytes(), dtype))
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": dtype}))
@@ -306,3 +306,22 @@ def test_smollm2_end_to_end() -> None:
         out = model.generate(**chat, max_new_tokens=12, do_sample=False)
     answer = tok.decode(out[0, chat["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_registry_models_carry_their_upstream_generation_defaults() -> None:
+    """Qwen2.5-Coder-Instruct's published defaults (sampling, repetition penalty) fill what a
+    generation config leaves unset, as the upstream generation_config.json would; what is set stays."""
+    from transformers import GenerationConfig
+
+    from specsplit.models import apply_generation_defaults
+
+    gc = apply_generation_defaults(GenerationConfig(temperature=0.2), "qwen2.5-coder-1.5b")
+    assert (gc.do_sample, gc.temperature, gc.top_p, gc.top_k, gc.repetition_penalty) == (
+        True,
+        0.2,
+        0.8,
+        20,
+        1.1,
+    )
+    assert apply_generation_defaults(GenerationConfig(), "smollm2-135m").repetition_penalty is None
+    assert apply_generation_defaults(GenerationConfig(), "/some/dir").do_sample is None

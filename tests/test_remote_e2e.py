@@ -31,6 +31,7 @@ from specsplit import (  # noqa: E402
 from specsplit.config import PipelineTuning  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
+from specsplit.remote.protocol import PROTOCOL_VERSION  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the workers run
 
@@ -164,7 +165,7 @@ def test_ping_reports_workers(workers) -> None:
     assert info["target"].worker_type == "target" and info["draft"].worker_type == "draft"
     for i in info.values():
         assert i.vocab_size == VOCAB and i.dtype == "float32" and i.device == "cpu"
-        assert i.protocol_version == "specsplit.v1" and i.model_name
+        assert i.protocol_version == PROTOCOL_VERSION and i.model_name
 
 
 def test_concurrent_generations(workers) -> None:

@@ -25,6 +25,7 @@ from specsplit.errors import (  # noqa: E402
 )
 from specsplit.messages import DraftRequest, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats  # noqa: E402
 from specsplit.remote import GrpcTransport, serve_draft, serve_target  # noqa: E402
+from specsplit.remote.protocol import PROTOCOL_VERSION  # noqa: E402
 from specsplit.remote.server import _SessionLocks  # noqa: E402
 
 
@@ -50,7 +51,7 @@ class ScriptedEngine:
         return True
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_type, "scripted", 100, "float32", "cpu", "specsplit.v1", 0)
+        return WorkerInfo(self.worker_type, "scripted", 100, "float32", "cpu", PROTOCOL_VERSION, 0)
 
     def shutdown(self) -> None:
         pass

@@ -33,6 +33,7 @@ from specsplit.remote import GrpcTransport, serve_draft, serve_target  # noqa: E
 from specsplit.remote import client as client_mod
 from specsplit.remote import server as server_mod  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc  # noqa: E402
+from specsplit.remote.protocol import PROTOCOL_VERSION  # noqa: E402
 
 
 class Engine:
@@ -65,7 +66,7 @@ class Engine:
         return True
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_type, "scripted", 100, "float32", "cpu", "specsplit.v1", 0)
+        return WorkerInfo(self.worker_type, "scripted", 100, "float32", "cpu", PROTOCOL_VERSION, 0)
 
     def shutdown(self) -> None:
         pass

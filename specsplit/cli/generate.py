@@ -37,10 +37,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--tree", choices=["chain", "static", "dynamic"], default=None, help="shape of the draft tree"
     )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length K")
-    p.add_argument("--do-sample", action="store_true")
+    p.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sample (default: greedy); unset options take the model's defaults",
+    )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="HF's repetition penalty (default: the model's own, e.g. 1.1 for Qwen2.5-Coder; 1.0 turns it off)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None, help="device for both models (e.g. cuda:0, cpu)")
     p.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
@@ -104,7 +114,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         streamer = TextStreamer(gen.tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    for k in ("temperature", "top_p", "top_k"):
+    for k in ("temperature", "top_p", "top_k", "repetition_penalty"):
         if getattr(args, k) is not None:
             kwargs[k] = getattr(args, k)
     if args.seed is not None:

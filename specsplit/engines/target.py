@@ -22,9 +22,10 @@ from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
 from specsplit.engines.base import EngineBase, check_capacity, desync_error, initial_capacity
 from specsplit.engines.partial_kv import PartialSession
+from specsplit.engines.processing import TreeProcessors
 from specsplit.engines.specpv import SpecPVStats
 from specsplit.engines.verifiers import FullVerifier, SpecPVVerifier, Verifier
-from specsplit.errors import CacheDesyncError, InvalidRequest, SessionNotFound
+from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, SessionNotFound
 from specsplit.messages import VerifyRequest, VerifyResult, WorkerStats
 from specsplit.runtime.kv_cache import StaticKVCache
 
@@ -43,6 +44,7 @@ class KVCacheState:
     next_root_logit: torch.Tensor | None = None  # [vocab]
     static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
     pv: PartialSession | None = None  # SpecPV state (None when SpecPV is off or not used yet)
+    processors: TreeProcessors | None = None  # the generation's HF logits processors, if any
 
     @property
     def seq_len(self) -> int:
@@ -136,6 +138,22 @@ class TargetEngine(EngineBase[KVCacheState]):
             )
         )
 
+    def _set_processors(self, state: KVCacheState, req: VerifyRequest) -> None:
+        """The session's processors for ``req.processing`` (built once per generation)."""
+        spec = req.processing
+        if spec is None:
+            state.processors = None
+            return
+        if self._specpv is not None:
+            raise ConfigError("logits processors are not applied under SpecPV verification; turn one off")
+        if (
+            state.processors is None
+            or state.processors.key != spec.to_json()
+            or req.expected_prefix_length == 0
+        ):
+            self.runner.check_token_ids(spec.prefix_token_ids, "processing prefix")
+            state.processors = TreeProcessors(self.runner.model, spec, self.device)
+
     # ------------------------------------------------------------------ main entry
     @torch.inference_mode()
     def verify(self, req: VerifyRequest) -> VerifyResult:
@@ -185,7 +203,16 @@ class TargetEngine(EngineBase[KVCacheState]):
                 elif state.seq_len != req.expected_prefix_length:
                     raise desync_error("target", session_id, state.seq_len, req.expected_prefix_length)
                 state.next_root_logit = None
-                result = self._verifier.verify(state, tree, pending, req.sampling, req.seed, stats)
+                self._set_processors(state, req)
+                result = self._verifier.verify(
+                    state,
+                    tree,
+                    pending,
+                    req.sampling,
+                    req.seed,
+                    stats,
+                    (req.return_scores, req.return_logits),
+                )
             self._settle_kv(session_id, state.cache, state.static)
         finally:
             if self.config.stateless:

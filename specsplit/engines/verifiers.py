@@ -37,7 +37,7 @@ from specsplit.core.verification import (
     verify_stochastic,
 )
 from specsplit.engines.specpv import PartialVerifier
-from specsplit.errors import ResourceExhausted
+from specsplit.errors import ConfigError, ResourceExhausted
 from specsplit.messages import VerifyResult, WorkerStats
 from specsplit.runtime.graphs import GraphedRound, StaticForward, kv_bucket
 from specsplit.runtime.kv_cache import StaticKVCache
@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 
 
 class Verifier(Protocol):
-    """One round of verification for a session whose lock the caller holds."""
+    """One round of verification for a session whose lock the caller holds.
+
+    ``returns``: (processed scores, raw logits) of the deciding rows wanted in the result."""
 
     def verify(
         self,
@@ -58,6 +60,7 @@ class Verifier(Protocol):
         sampling: SamplingParams,
         seed: int | None,
         stats: WorkerStats,
+        returns: tuple[bool, bool] = (False, False),
     ) -> VerifyResult: ...
 
 
@@ -144,6 +147,7 @@ class FullVerifier:
         sampling: SamplingParams,
         seed: int | None,
         stats: WorkerStats,
+        returns: tuple[bool, bool] = (False, False),
     ) -> VerifyResult:
         eng = self.engine
         cache = state.cache
@@ -151,14 +155,18 @@ class FullVerifier:
         n, p = tree.num_nodes, len(pending)
         max_branch, max_depth = tree.bounds()
         cache.ensure_capacity(length + p + n)
+        proc = state.processors
         if (
             state.static
             and p == 1
             and eng.config.tuning.graph_rounds
             and not sampling.do_sample
             and cache.single_buffer
+            and proc is None
+            and not any(returns)
         ):
             return self._one_graph(cache, tree, pending, max_branch, max_depth, stats)
+        host_depths = tree.depths.tolist() if proc is not None else []  # (a sync only for a device tree)
         tree = tree.to(eng.device)
         ids = torch.cat([h2d(torch.tensor(pending, dtype=torch.long), eng.device), tree.token_ids])  # [P + N]
         t = time.perf_counter()
@@ -172,13 +180,27 @@ class FullVerifier:
             cache.rollback(length)
             raise
         tree = tree.to(logits.device)
-        outcome = decide(logits, tree, sampling, seed, length + p, max_depth, max_branch)
+        scores = logits
+        if proc is not None:  # HF processors, each row with its own context
+            ctx_len = proc.begin(length, pending)
+            scores = proc.scores(logits, tree, host_depths, ctx_len)
+            sampling = SamplingParams(do_sample=sampling.do_sample)  # the warpers ran as processors
+        outcome = decide(scores, tree, sampling, seed, length + p, max_depth, max_branch)
         nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += p + n
         stats.forwards += 1
         cache.keep_path(nodes, length + p)
-        return _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
+        if proc is not None:
+            proc.commit(ctx_len, tokens)
+        result = _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
+        if any(returns):
+            rows = h2d(torch.tensor([0] + [i + 1 for i in nodes], dtype=torch.long), scores.device)
+            if returns[0]:
+                result.scores = scores.index_select(0, rows).float()
+            if returns[1]:
+                result.logits = logits.index_select(0, rows).float()
+        return result
 
     # ------------------------------------------------------------------ one-graph greedy round
     def _one_graph(
@@ -270,7 +292,10 @@ class SpecPVVerifier:
         sampling: SamplingParams,
         seed: int | None,
         stats: WorkerStats,
+        returns: tuple[bool, bool] = (False, False),
     ) -> VerifyResult:
+        if state.processors is not None or any(returns):
+            raise ConfigError("SpecPV verification does not apply logits processors or return scores")
         n = tree.num_nodes
         max_branch, max_depth = tree.bounds()
         position = state.seq_len + len(pending)  # the token row 0 samples

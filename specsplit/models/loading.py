@@ -21,6 +21,7 @@ from specsplit.errors import ConfigError, ModelLoadError
 from specsplit.models.fetcher import (
     MODELS,
     PAIRS,
+    apply_generation_defaults,
     cache_flavour,
     cache_root,
     cached_dir,
@@ -182,6 +183,8 @@ def load_model(
     except Exception as e:
         raise _load_error("model", name_or_path, path, e) from e
     model.eval()
+    if getattr(model, "generation_config", None) is not None:  # a conversion made before they were recorded
+        apply_generation_defaults(model.generation_config, name_or_path)
     logger.info(
         "loaded %s from %s (%s, %s) in %.1f s",
         name_or_path,

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from specsplit.pipeline.loop import decode, decode_rounds
 from specsplit.pipeline.overlap import OverlapPolicies, OverlapPolicy
-from specsplit.pipeline.params import DecodeParams
+from specsplit.pipeline.params import DecodeOutputs, DecodeParams
 
-__all__ = ["DecodeParams", "OverlapPolicies", "OverlapPolicy", "decode", "decode_rounds"]
+__all__ = ["DecodeOutputs", "DecodeParams", "OverlapPolicies", "OverlapPolicy", "decode", "decode_rounds"]

@@ -35,7 +35,7 @@ from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, Tra
 from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from specsplit.pipeline.on_target import decode_on_target
 from specsplit.pipeline.overlap import OverlapPolicy, speculate
-from specsplit.pipeline.params import DecodeParams, generation_seeds
+from specsplit.pipeline.params import DecodeOutputs, DecodeParams, generation_seeds
 from specsplit.pipeline.stop import StopChecker
 from specsplit.telemetry import RoundStats, SpecStats
 from specsplit.transport import Transport
@@ -49,6 +49,7 @@ def decode(
     params: DecodeParams,
     on_tokens: Callable[[list[int]], None] | None = None,
     session_id: str | None = None,
+    outputs: DecodeOutputs | None = None,
 ) -> tuple[list[int], SpecStats]:
     """Generate up to ``params.max_new_tokens`` tokens after ``prompt``.
 
@@ -57,6 +58,7 @@ def decode(
     the committed tokens are the same as sequential mode's. With ``params.loop == "target"`` the
     target worker runs this same loop itself (:func:`~specsplit.pipeline.on_target.decode_on_target`);
     the result is the same. :func:`decode_rounds` is the same loop as a generator of rounds.
+    ``outputs`` collects the scores / logits of every committed token when ``params`` asks for them.
 
     Returns:
         ``(new token ids, stats)``; the session is ended on both sides before returning.
@@ -64,12 +66,14 @@ def decode(
     if not prompt:
         raise ValueError("the prompt must contain at least one token")
     if params.loop == "target":
+        if outputs is not None and (params.return_scores or params.return_logits):
+            raise ConfigError("output_scores / output_logits need grpc_loop='client'")
         return decode_on_target(transport, prompt, params, on_tokens, session_id)
     if params.loop != "client":
         raise ConfigError(f"loop must be 'client' or 'target', got {params.loop!r}")
     out: list[int] = []
     stats = SpecStats(prompt_tokens=len(prompt))
-    rounds = decode_rounds(transport, prompt, params, out, stats, session_id)
+    rounds = decode_rounds(transport, prompt, params, out, stats, session_id, outputs=outputs)
     try:
         for kept, _ in rounds:
             if on_tokens is not None:
@@ -87,6 +91,7 @@ def decode_rounds(
     stats: SpecStats,
     session_id: str | None = None,
     defer_updates: bool = False,
+    outputs: DecodeOutputs | None = None,
 ) -> Generator[tuple[list[int], RoundStats], None, None]:
     """:func:`decode`'s loop as a generator: yields each round's committed tokens and telemetry.
 
@@ -100,7 +105,7 @@ def decode_rounds(
     (a target worker handing the round to gRPC for its client) then runs in that shadow instead
     of between the verification and the next draft. The same rounds and tokens, one round later.
     """
-    g = _Generation(transport, prompt, params, out, stats, session_id)
+    g = _Generation(transport, prompt, params, out, stats, session_id, outputs)
     deferred: tuple[list[int], RoundStats] | None = None  # the last round, not yet yielded
     try:
         while len(out) < params.max_new_tokens:
@@ -138,10 +143,12 @@ class _Generation:
         out: list[int],
         stats: SpecStats,
         session_id: str | None,
+        outputs: DecodeOutputs | None = None,
     ):
         self.transport, self.prompt, self.params, self.out, self.stats = transport, prompt, params, out, stats
+        self.outputs = outputs if outputs is not None else DecodeOutputs()
         self.sid = session_id or uuid.uuid4().hex
-        self.stopper = StopChecker(params)
+        self.stopper = StopChecker(params, prompt)
         self.mode = params.drafter
         overlap = params.overlap and transport.has_draft and self.mode == "model"
         extra = params.tree.depth_limit + 1 if overlap else 0  # a speculative extension's tokens
@@ -231,8 +238,9 @@ class _Generation:
         p = self.params
         self.pending_len = len(self.pending)
         vreq = VerifyRequest(
-            self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity
-        )
+            self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity,
+            p.processing, p.return_scores, p.return_logits,
+        )  # fmt: skip
         spec, spec_s = None, 0.0
         if (
             self.pool is not None
@@ -266,8 +274,12 @@ class _Generation:
             ``(kept tokens, stopped, speculation hit or None when none ran)``.
         """
         new = vres.accepted_token_ids + [vres.next_token_id]
-        kept, stopped = self.stopper.cut(self.out, new[:remaining])
+        kept, stopped = self.stopper.cut(self.out, new[:remaining], vres.scores)
         self.out.extend(kept)
+        if vres.scores is not None:
+            self.outputs.scores.extend(vres.scores[: len(kept)].unbind(0))
+        if vres.logits is not None:
+            self.outputs.logits.extend(vres.logits[: len(kept)].unbind(0))
         if self.ngram is not None:
             self.ngram.extend(kept)
         self.target_prefix, self.pending = vres.prefix_length, [vres.next_token_id]

@@ -38,7 +38,7 @@ def decode_on_target(
             f"got {type(transport).__name__}"
         )
     stats = SpecStats(prompt_tokens=len(prompt))
-    stopper = StopChecker(params)
+    stopper = StopChecker(params, prompt)
     out: list[int] = []
     rng_state = b""
     if params.sampling.do_sample:
@@ -55,6 +55,7 @@ def decode_on_target(
         overlap=params.overlap,
         overlap_policy=params.overlap_policy,
         drafter=params.drafter,
+        processing=params.processing,
     )
     t_start = time.perf_counter()
     stream = run(req)

@@ -10,6 +10,7 @@ import torch
 
 from specsplit.config import TreeConfig
 from specsplit.core.sampling import SamplingParams
+from specsplit.messages import LogitsProcessing
 
 if TYPE_CHECKING:
     from specsplit.engines.cost_model import CostModel
@@ -38,6 +39,20 @@ class DecodeParams:
     drafter: str = "model"  # "model" | "ngram" | "suffix" | "hybrid" | "auto" (SpecSplitConfig.drafter)
     ngram: NgramDrafter | None = None  # n-gram settings and suffix cache, kept across calls by the caller
     cost: CostModel | None = None  # the round planner, kept across calls by the caller; None: a fresh one
+    processing: LogitsProcessing | None = None  # HF logits processors the target applies to every row
+    return_scores: bool = False  # collect the processed scores of every committed token
+    return_logits: bool = False  # collect the raw logits of every committed token
+    stopping_criteria: list[Any] = field(default_factory=list)  # HF StoppingCriteria, checked per token
+    criteria_prefix: list[int] = field(default_factory=list)  # what the criteria see before the prompt
+
+
+@dataclass
+class DecodeOutputs:
+    """Per committed token, what ``generate(output_scores=True / output_logits=True)`` returns:
+    `[vocab]` float32 rows (on the target's device in-process)."""
+
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
 
 
 def generation_seeds(params: DecodeParams) -> tuple[int | None, int | None]:

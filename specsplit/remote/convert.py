@@ -30,6 +30,7 @@ from specsplit.messages import (
     DraftResult,
     GenerateRequest,
     GenerateUpdate,
+    LogitsProcessing,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
@@ -39,6 +40,8 @@ from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote.protocol import PROTOCOL_VERSION
 from specsplit.remote.tree_slots import SlotDraftRequest, SlotDraftResult, TreeSlotRef
 from specsplit.telemetry import RoundStats
+
+MAX_PROCESSING_BYTES = 1 << 16  # a client's processing options (bad words, biases) at most
 
 _SHAPE_TO_PB: dict[TreeShape, pb.TreeShape] = {
     "chain": pb.TREE_SHAPE_CHAIN,
@@ -350,8 +353,46 @@ def verify_request_to_proto(r: VerifyRequest) -> pb.VerifyRequest:
         expected_prefix_length=r.expected_prefix_length,
         sampling=sampling_to_proto(r.sampling),
         capacity_hint=r.capacity_hint,
+        processing=processing_to_wire(r.processing),
+        return_scores=r.return_scores,
+        return_logits=r.return_logits,
         **kwargs,
     )
+
+
+def processing_to_wire(p: LogitsProcessing | None) -> str:
+    """The JSON form of the processing options; custom processors cannot be sent."""
+    if p is None:
+        return ""
+    if p.processors:
+        raise ConfigError(
+            "custom logits processors run where the target verifies and cannot be sent to a remote "
+            "target worker: use transport='local', or express them as generation options"
+        )
+    return p.to_json()
+
+
+def processing_from_wire(text: str) -> LogitsProcessing | None:
+    """A client's processing options (size and shape checked; the engine checks the values)."""
+    if not text:
+        return None
+    if len(text) > MAX_PROCESSING_BYTES:
+        raise InvalidRequest(f"processing options are {len(text)} bytes; the limit is {MAX_PROCESSING_BYTES}")
+    try:
+        return LogitsProcessing.from_json(text)
+    except ValueError as e:  # json.JSONDecodeError included
+        raise InvalidRequest(f"bad processing options: {e}") from None
+
+
+def _rows_to_bytes(t: torch.Tensor | None) -> bytes:
+    return b"" if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+
+
+def _rows_from_bytes(data: bytes, rows: int) -> torch.Tensor | None:
+    if not data:
+        return None
+    flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    return flat.view(rows, -1)
 
 
 def verify_request_from_proto(m: pb.VerifyRequest) -> VerifyRequest:
@@ -363,6 +404,9 @@ def verify_request_from_proto(m: pb.VerifyRequest) -> VerifyRequest:
         sampling=sampling_from_proto(m.sampling),
         seed=m.seed if m.HasField("seed") else None,
         capacity_hint=m.capacity_hint,
+        processing=processing_from_wire(m.processing),
+        return_scores=m.return_scores,
+        return_logits=m.return_logits,
     )
 
 
@@ -376,6 +420,8 @@ def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResponse:
         num_nodes=r.num_nodes,
         cache_hit=r.cache_hit,
         telemetry=stats_to_proto(r.stats),
+        scores=_rows_to_bytes(r.scores),
+        logits=_rows_to_bytes(r.logits),
     )
 
 
@@ -389,6 +435,8 @@ def verify_result_from_proto(m: pb.VerifyResponse) -> VerifyResult:
         num_nodes=m.num_nodes,
         stats=stats_from_proto(m.telemetry),
         cache_hit=m.cache_hit,
+        scores=_rows_from_bytes(m.scores, len(m.accepted_token_ids) + 1),
+        logits=_rows_from_bytes(m.logits, len(m.accepted_token_ids) + 1),
     )
 
 
@@ -405,6 +453,7 @@ def generate_request_to_proto(r: GenerateRequest) -> pb.GenerateRequest:
         overlap=r.overlap,
         overlap_policy=r.overlap_policy,
         drafter=r.drafter,
+        processing=processing_to_wire(r.processing),
     )
 
 
@@ -420,6 +469,7 @@ def generate_request_from_proto(m: pb.GenerateRequest) -> GenerateRequest:
         overlap=m.overlap,
         overlap_policy=m.overlap_policy or "adaptive",
         drafter=m.drafter,
+        processing=processing_from_wire(m.processing),
     )
 
 

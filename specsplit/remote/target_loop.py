@@ -295,4 +295,5 @@ def decode_params(
             drafting.ngram.max_nodes,
             drafting.padded,
         ),
+        processing=req.processing,
     )

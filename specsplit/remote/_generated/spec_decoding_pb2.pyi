@@ -209,7 +209,7 @@ class ShareTreeSlotsResponse(_message.Message):
     def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., channel_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_nodes: _Optional[int] = ..., device_uuid: _Optional[str] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., storage_event_handle: _Optional[bytes] = ..., storage_event_sync_required: _Optional[bool] = ..., slot_event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tree", "pending_token_ids", "expected_prefix_length", "sampling", "seed", "capacity_hint")
+    __slots__ = ("session_id", "tree", "pending_token_ids", "expected_prefix_length", "sampling", "seed", "capacity_hint", "processing", "return_scores", "return_logits")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,9 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_HINT_FIELD_NUMBER: _ClassVar[int]
+    PROCESSING_FIELD_NUMBER: _ClassVar[int]
+    RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tree: TokenTree
     pending_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -224,10 +227,13 @@ class VerifyRequest(_message.Message):
     sampling: SamplingParams
     seed: int
     capacity_hint: int
-    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., expected_prefix_length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., capacity_hint: _Optional[int] = ...) -> None: ...
+    processing: str
+    return_scores: bool
+    return_logits: bool
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., expected_prefix_length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., processing: _Optional[str] = ..., return_scores: _Optional[bool] = ..., return_logits: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "prefix_length", "num_drafted", "num_nodes", "cache_hit", "telemetry")
+    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "prefix_length", "num_drafted", "num_nodes", "cache_hit", "telemetry", "scores", "logits")
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +242,8 @@ class VerifyResponse(_message.Message):
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token_id: int
     accepted_node_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -244,10 +252,12 @@ class VerifyResponse(_message.Message):
     num_nodes: int
     cache_hit: bool
     telemetry: Telemetry
-    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ...) -> None: ...
+    scores: bytes
+    logits: bytes
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., scores: _Optional[bytes] = ..., logits: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "max_new_tokens", "sampling", "tree", "eos_token_ids", "rng_state", "overlap", "overlap_policy", "drafter")
+    __slots__ = ("session_id", "prompt_token_ids", "max_new_tokens", "sampling", "tree", "eos_token_ids", "rng_state", "overlap", "overlap_policy", "drafter", "processing")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +268,7 @@ class GenerateRequest(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_POLICY_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PROCESSING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -268,7 +279,8 @@ class GenerateRequest(_message.Message):
     overlap: bool
     overlap_policy: str
     drafter: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rng_state: _Optional[bytes] = ..., overlap: _Optional[bool] = ..., overlap_policy: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    processing: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., rng_state: _Optional[bytes] = ..., overlap: _Optional[bool] = ..., overlap_policy: _Optional[str] = ..., drafter: _Optional[str] = ..., processing: _Optional[str] = ...) -> None: ...
 
 class GenerateRound(_message.Message):
     __slots__ = ("token_ids", "accepted", "drafted_depth", "tree_nodes", "draft_s", "verify_s", "host_s", "transport_s", "draft_model_s", "verify_model_s", "overlap_draft_s", "spec_hit", "drafter")

@@ -1,0 +1,239 @@
+"""Hugging Face logits processors applied to a verified tree, every row with its own context.
+
+``model.generate()`` turns each step's logits into scores with a ``LogitsProcessorList`` built
+from the generation options (penalties, n-gram bans, length rules, bad words, warpers, ...) and
+the sequence so far. Under speculation one target forward scores a whole tree, so the same list
+must see, for every row, the context that row stands for: the prompt (with its left padding),
+the committed tokens and the row's path from the tree's root. Rows at the same depth have contexts
+of the same length, so the tree is processed as one batch per depth level (HF processors work
+row by row on ``[batch, length]`` inputs); processors that ignore the context (temperature,
+top-k/p, min-p, typical, epsilon, eta, suppressed tokens, renormalisation) run once over all rows.
+
+The processors are the ones ``generate()`` builds (``_get_logits_processor`` of the target model),
+so their semantics and order are HF's by construction. User processors must, like HF's own, depend
+on ``(input_ids, scores)`` row by row only; ones that keep state between calls are not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import logits_process as lp
+
+from specsplit.core.tree import TokenTree
+from specsplit.errors import InvalidRequest
+from specsplit.messages import LogitsProcessing
+from specsplit.runtime.runner import h2d
+
+# GenerationConfig fields that shape the scores of one sequence; the only ones a target accepts.
+SCORE_FIELDS = (
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "top_h",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "max_length",
+    "sequence_bias",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "renormalize_logits",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+)
+# Options whose processors SpecSplit's own sampling already applies (no processor pass needed).
+PLAIN_FIELDS = frozenset({"do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
+                          "bos_token_id", "max_length"})  # fmt: skip
+# Processors whose result does not depend on the context (applied once to all rows).
+_CONTEXT_FREE = (
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+    lp.TopHLogitsWarper,
+    lp.SuppressTokensLogitsProcessor,
+    lp.LogitNormalization,
+    lp.InfNanRemoveLogitsProcessor,
+)
+
+
+def build_processors(model: Any, spec: LogitsProcessing, device: torch.device) -> lp.LogitsProcessorList:
+    """The ``LogitsProcessorList`` ``model.generate()`` builds for ``spec``'s options.
+
+    Raises:
+        InvalidRequest: an option outside :data:`SCORE_FIELDS` or one HF rejects.
+    """
+    unknown = sorted(set(spec.options) - set(SCORE_FIELDS))
+    if unknown:
+        raise InvalidRequest(f"processing options not accepted by the target: {unknown}")
+    try:
+        gc = GenerationConfig(**spec.options)
+        gc.validate(strict=True)
+        model._prepare_special_tokens(gc, True, device)
+        procs: lp.LogitsProcessorList = model._get_logits_processor(
+            generation_config=gc,
+            input_ids_seq_length=spec.prompt_length,
+            logits_processor=lp.LogitsProcessorList(spec.processors),
+            device=device,
+            model_kwargs={},
+        )
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"bad processing options: {e}") from e
+    return procs
+
+
+class TokenHistory:
+    """A session's tokens as the processors see them (left padding, prompt, committed), on device.
+
+    One buffer grown by doubling; a round writes its pending tokens and, once decided, the
+    accepted ones (small host-to-device copies)."""
+
+    def __init__(self, prefix: list[int], device: torch.device, capacity: int = 256):
+        self.prefix_len = len(prefix)
+        self.buf = torch.zeros(max(capacity, self.prefix_len + 1), dtype=torch.long, device=device)
+        if prefix:
+            self.buf[: self.prefix_len] = h2d(torch.tensor(prefix, dtype=torch.long), device)
+
+    def write(self, start: int, tokens: list[int]) -> None:
+        end = start + len(tokens)
+        if end > self.buf.shape[0]:
+            grown = torch.zeros(max(end, 2 * self.buf.shape[0]), dtype=torch.long, device=self.buf.device)
+            grown[:start] = self.buf[:start]
+            self.buf = grown
+        if tokens:
+            self.buf[start:end] = h2d(torch.tensor(tokens, dtype=torch.long), self.buf.device)
+
+    def view(self, length: int) -> torch.Tensor:
+        return self.buf[:length]
+
+
+class TreeProcessors:
+    """A session's processors and token history; :meth:`scores` processes a verified tree.
+
+    Args:
+        model: the target's HF model (its ``_get_logits_processor`` builds the list).
+        spec: the generation's options.
+        device: where the logits are.
+    """
+
+    def __init__(self, model: Any, spec: LogitsProcessing, device: torch.device):
+        self.key = spec.to_json()
+        self.procs = build_processors(model, spec, device)
+        # Consecutive processors grouped into stages: (needs the context, processors).
+        self.stages: list[tuple[bool, list[Any]]] = []
+        for proc in self.procs:
+            ctx = not isinstance(proc, _CONTEXT_FREE)
+            if self.stages and self.stages[-1][0] == ctx:
+                self.stages[-1][1].append(proc)
+            else:
+                self.stages.append((ctx, [proc]))
+        self.history = TokenHistory(spec.prefix_token_ids, device)
+
+    def begin(self, cached: int, pending: list[int]) -> int:
+        """Record a round's pending tokens after the ``cached`` tokens the target holds; returns the
+        context length of row 0."""
+        start = self.history.prefix_len + cached
+        self.history.write(start, pending)
+        return start + len(pending)
+
+    def commit(self, length: int, tokens: list[int]) -> None:
+        """Record the accepted tokens after row 0's context of ``length`` tokens."""
+        self.history.write(length, tokens)
+
+    def scores(
+        self, logits: torch.Tensor, tree: TokenTree, host_depths: list[int], length: int
+    ) -> torch.Tensor:
+        """`[N + 1, V]` float32 processed scores of the context row and every node.
+
+        Args:
+            logits: `[N + 1, V]` the target's logits.
+            tree: the verified tree (on the logits' device).
+            host_depths: the nodes' depths (host ints, 1 = a child of the context row).
+            length: row 0's context length (:meth:`begin`).
+        """
+        x = logits.to(torch.float32, copy=True)  # processors may work in place; the logits stay raw
+        if not any(ctx for ctx, _ in self.stages):
+            for _, procs in self.stages:
+                x = _apply(procs, None, x)
+            return x
+        levels = _levels(host_depths, x.device)
+        path = _path_tokens(tree, max((d for d, _ in levels), default=0))
+        hist = self.history.view(length)
+        for needs_ctx, procs in self.stages:
+            if not needs_ctx:
+                x = _apply(procs, None, x)
+                continue
+            out = torch.empty_like(x)
+            for depth, rows in levels:
+                ctx = hist[None].expand(rows.shape[0], length)
+                if depth:
+                    ctx = torch.cat([ctx, path.index_select(0, rows - 1)[:, :depth]], dim=1)
+                out.index_copy_(0, rows, _apply(procs, ctx, x.index_select(0, rows)))
+            x = out
+        return x
+
+
+def _apply(procs: list[Any], input_ids: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:
+    ids = input_ids if input_ids is not None else scores.new_zeros((scores.shape[0], 0), dtype=torch.long)
+    for proc in procs:
+        scores = proc(ids, scores)
+    return scores
+
+
+def _levels(host_depths: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """Rows grouped by depth (row 0: depth 0; node i: row i + 1), as device index tensors made
+    with one host-to-device copy."""
+    by_depth: dict[int, list[int]] = {0: [0]}
+    for i, d in enumerate(host_depths):
+        by_depth.setdefault(d, []).append(i + 1)
+    order = [r for d in sorted(by_depth) for r in by_depth[d]]
+    flat = h2d(torch.tensor(order, dtype=torch.long), device)
+    out, start = [], 0
+    for d in sorted(by_depth):
+        n = len(by_depth[d])
+        out.append((d, flat[start : start + n]))
+        start += n
+    return out
+
+
+def _path_tokens(tree: TokenTree, max_depth: int) -> torch.Tensor:
+    """`[N, max_depth]` the tokens on each node's path from the root (column k: depth k + 1;
+    zeros past the node's own depth); device ops only."""
+    n = tree.num_nodes
+    dev = tree.token_ids.device
+    wide = torch.zeros(n, max_depth + 1, dtype=torch.long, device=dev)
+    if n == 0 or max_depth == 0:
+        return wide[:, :max_depth]
+    rows = torch.arange(n, device=dev)
+    node = rows.clone()
+    for _ in range(max_depth):
+        valid = node >= 0
+        safe = node.clamp_min(0)
+        col = torch.where(valid, tree.depths[safe] - 1, max_depth)  # past the path: the spare column
+        wide[rows, col] = tree.token_ids[safe]
+        node = torch.where(valid, tree.parents[safe], -1)
+    return wide[:, :max_depth]
+
+
+def needs_processing(options: dict[str, Any]) -> bool:
+    """Whether ``options`` (non-default fields only) need the processor pass: something beyond
+    temperature / top-k / top-p, which SpecSplit's own sampling applies."""
+    return any(k not in PLAIN_FIELDS for k in options)
