@@ -53,6 +53,9 @@ _UNSUPPORTED_IF_SET: dict[str, tuple[Any, ...]] = {
     "output_hidden_states": (None, False),
     "use_mtp": (None, False),
 }
+# Warpers generate() applies only when sampling.
+_SAMPLING_ONLY = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                            "top_h"})  # fmt: skip
 # Score options that mean "off" (left out of the options sent to the target).
 _NEUTRAL: dict[str, Any] = {
     "repetition_penalty": 1.0,
@@ -111,6 +114,8 @@ def score_options(gc: GenerationConfig, width: int, max_new_tokens: int) -> dict
     for name in SCORE_FIELDS:
         value = getattr(gc, name, None)
         if value is None or (name in _NEUTRAL and value == _NEUTRAL[name]):
+            continue
+        if name in _SAMPLING_ONLY and not gc.do_sample:  # generate() ignores them when greedy
             continue
         if isinstance(value, torch.Tensor):
             value = value.tolist()

@@ -323,3 +323,48 @@ def test_bad_processing_options_from_a_client_are_invalid_requests(pair, servers
                                                 sampling=greedy, processing='{"options": {"repetition_penalty": 1.2}, '
                                                 '"prompt_length": 3}'), timeout=30)  # fmt: skip
         assert ok.prefix_length == 3  # the worker keeps serving
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_tree_scores_equal_hf_processors_row_by_row(pair, sample: bool) -> None:
+    """Every row of a branching tree gets exactly what HF's processor list gives its own context
+    (prompt + committed + the row's path), compared on the scores themselves, not just the argmax."""
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.processing import TreeProcessors
+    from specsplit.messages import LogitsProcessing
+
+    target = pair[0]
+    options: dict[str, Any] = {"repetition_penalty": 1.7, "no_repeat_ngram_size": 2, "min_new_tokens": 6,
+                               "eos_token_id": 7, "bad_words_ids": [[40, 41]], "sequence_bias": [[[5, 6], 3.0]],
+                               "max_length": 64, "begin_suppress_tokens": [9]}  # fmt: skip
+    if sample:
+        options |= {"do_sample": True, "temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.01}
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 60, (10,), generator=g).tolist()
+    committed = [40, 5, 6]
+    # depth 1: 3 roots; depth 2: children of roots 0 and 1; depth 3: one grandchild (tokens repeat the context)
+    tokens = [41, 6, 9, 5, 40, 41, 6]
+    parents = [-1, -1, -1, 0, 0, 1, 3]
+    depths = [1, 1, 1, 2, 2, 2, 3]
+    tree = TokenTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens)))
+    spec = LogitsProcessing(options, len(prompt), [2, 2])  # two pads before the prompt
+    proc = TreeProcessors(target, spec, torch.device("cpu"))
+    proc.begin(0, prompt)
+    length = proc.begin(len(prompt), committed)
+    logits = torch.randn(len(tokens) + 1, 256, generator=g) * 4
+    ours = proc.scores(logits, tree, depths, length)
+
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(**options)
+    target._prepare_special_tokens(gc, True, torch.device("cpu"))
+    hf = target._get_logits_processor(gc, input_ids_seq_length=len(prompt), device="cpu", model_kwargs={})
+    base = [2, 2] + prompt + committed
+    for row in range(len(tokens) + 1):
+        path: list[int] = []
+        node = row - 1
+        while node >= 0:
+            path.insert(0, tokens[node])
+            node = parents[node]
+        theirs = hf(torch.tensor([base + path]), logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row : row + 1], theirs, msg=f"row {row}")

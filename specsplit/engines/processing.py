@@ -6,8 +6,11 @@ the sequence so far. Under speculation one target forward scores a whole tree, s
 must see, for every row, the context that row stands for: the prompt (with its left padding),
 the committed tokens and the row's path from the tree's root. Rows at the same depth have contexts
 of the same length, so the tree is processed as one batch per depth level (HF processors work
-row by row on ``[batch, length]`` inputs); processors that ignore the context (temperature,
-top-k/p, min-p, typical, epsilon, eta, suppressed tokens, renormalisation) run once over all rows.
+row by row on ``[batch, length]`` inputs). Two kinds run once over all rows instead: processors that
+ignore the context (temperature, top-k/p, min-p, typical, epsilon, eta, suppressed tokens,
+renormalisation), and the repetition penalty, which depends only on the set of tokens in the
+context: every row gets a context of the same length holding its tokens in any order, padded by
+repeating a token it already holds, which leaves that set, and so the result, unchanged.
 
 The processors are the ones ``generate()`` builds (``_get_logits_processor`` of the target model),
 so their semantics and order are HF's by construction. User processors must, like HF's own, depend
@@ -23,6 +26,7 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
 from specsplit.core.tree import TokenTree
+from specsplit.core.tree_attention import ancestor_matrix
 from specsplit.errors import InvalidRequest
 from specsplit.messages import LogitsProcessing
 from specsplit.runtime.runner import h2d
@@ -59,6 +63,8 @@ SCORE_FIELDS = (
 # Options whose processors SpecSplit's own sampling already applies (no processor pass needed).
 PLAIN_FIELDS = frozenset({"do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id",
                           "bos_token_id", "max_length"})  # fmt: skip
+# Processors that depend only on the set of tokens in the context (exact types: a subclass may not).
+_SET_BASED = (lp.RepetitionPenaltyLogitsProcessor,)
 # Processors whose result does not depend on the context (applied once to all rows).
 _CONTEXT_FREE = (
     lp.TemperatureLogitsWarper,
@@ -86,7 +92,6 @@ def build_processors(model: Any, spec: LogitsProcessing, device: torch.device) -
         raise InvalidRequest(f"processing options not accepted by the target: {unknown}")
     try:
         gc = GenerationConfig(**spec.options)
-        gc.validate(strict=True)
         model._prepare_special_tokens(gc, True, device)
         procs: lp.LogitsProcessorList = model._get_logits_processor(
             generation_config=gc,
@@ -137,14 +142,15 @@ class TreeProcessors:
     def __init__(self, model: Any, spec: LogitsProcessing, device: torch.device):
         self.key = spec.to_json()
         self.procs = build_processors(model, spec, device)
-        # Consecutive processors grouped into stages: (needs the context, processors).
-        self.stages: list[tuple[bool, list[Any]]] = []
+        # Consecutive processors of one kind grouped into stages: (kind, processors), kind "free"
+        # (no context), "set" (the context's token set) or "rows" (one batch per depth level).
+        self.stages: list[tuple[str, list[Any]]] = []
         for proc in self.procs:
-            ctx = not isinstance(proc, _CONTEXT_FREE)
-            if self.stages and self.stages[-1][0] == ctx:
+            kind = "free" if type(proc) in _CONTEXT_FREE else "set" if type(proc) in _SET_BASED else "rows"
+            if self.stages and self.stages[-1][0] == kind:
                 self.stages[-1][1].append(proc)
             else:
-                self.stages.append((ctx, [proc]))
+                self.stages.append((kind, [proc]))
         self.history = TokenHistory(spec.prefix_token_ids, device)
 
     def begin(self, cached: int, pending: list[int]) -> int:
@@ -170,25 +176,45 @@ class TreeProcessors:
             length: row 0's context length (:meth:`begin`).
         """
         x = logits.to(torch.float32, copy=True)  # processors may work in place; the logits stay raw
-        if not any(ctx for ctx, _ in self.stages):
+        if all(kind == "free" for kind, _ in self.stages):
             for _, procs in self.stages:
                 x = _apply(procs, None, x)
             return x
-        levels = _levels(host_depths, x.device)
-        path = _path_tokens(tree, max((d for d, _ in levels), default=0))
         hist = self.history.view(length)
-        for needs_ctx, procs in self.stages:
-            if not needs_ctx:
+        levels: list[tuple[int, torch.Tensor]] | None = None
+        path = sets = None
+        for kind, procs in self.stages:
+            if kind == "free":
                 x = _apply(procs, None, x)
-                continue
-            out = torch.empty_like(x)
-            for depth, rows in levels:
-                ctx = hist[None].expand(rows.shape[0], length)
-                if depth:
-                    ctx = torch.cat([ctx, path.index_select(0, rows - 1)[:, :depth]], dim=1)
-                out.index_copy_(0, rows, _apply(procs, ctx, x.index_select(0, rows)))
-            x = out
+            elif kind == "set":
+                sets = sets if sets is not None else _set_contexts(hist, tree)
+                x = _apply(procs, sets, x)
+            else:
+                if levels is None or path is None:
+                    levels = _levels(host_depths, x.device)
+                    path = _path_tokens(tree, max(host_depths, default=0))
+                out = torch.empty_like(x)
+                for d, rows in levels:
+                    ctx = hist[None].expand(rows.shape[0], length)
+                    if d:
+                        ctx = torch.cat([ctx, path.index_select(0, rows - 1)[:, :d]], dim=1)
+                    out.index_copy_(0, rows, _apply(procs, ctx, x.index_select(0, rows)))
+                x = out
         return x
+
+
+def _set_contexts(hist: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+    """`[N + 1, L + N]` a context per row holding exactly that row's tokens (the history, the row's
+    path), in any order, padded with the row's own last token; device ops only."""
+    n = tree.num_nodes
+    last = torch.cat([hist[-1:], tree.token_ids])  # [N + 1] each row's own last token
+    if n:
+        anc = ancestor_matrix(tree.parents)  # [N, N] j is i or an ancestor of i
+        nodes = torch.where(anc, tree.token_ids[None, :], tree.token_ids[:, None])
+        rows = torch.cat([last[:1, None].expand(1, n), nodes], dim=0)  # [N + 1, N]
+    else:
+        rows = last.new_zeros(1, 0)
+    return torch.cat([hist[None].expand(n + 1, hist.shape[0]), rows], dim=1)
 
 
 def _apply(procs: list[Any], input_ids: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,218 @@
+"""What HF logits processors cost per round: the same prompts with and without the model's
+repetition penalty, target-only and with n-gram trees, in one process on one device.
+
+Each configuration generates every prompt once untimed (graph capture), then once timed. For the
+configurations with processors a second timed pass synchronises the device around the processor
+pass of every round (:class:`~specsplit.engines.processing.TreeProcessors`) to measure it alone;
+its share of the round is that time over the round time of the un-instrumented pass.
+
+    python benchmarks/processors_cost.py --target qwen2.5-coder-1.5b --device cuda:0 --out benchmarks/results
+    python benchmarks/processors_cost.py --smoke      # tiny random model on the CPU (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's specsplit
+
+# The model's published sampling defaults (Qwen2.5-Coder-Instruct) with and without its penalty.
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "target-only, sampling": ("none", {**SAMPLING, "repetition_penalty": 1.0}),
+    "target-only, sampling + rp 1.1": ("none", {**SAMPLING, "repetition_penalty": 1.1}),
+    "ngram, sampling": ("ngram", {**SAMPLING, "repetition_penalty": 1.0}),
+    "ngram, sampling + rp 1.1": ("ngram", {**SAMPLING, "repetition_penalty": 1.1}),
+    "ngram, greedy": ("ngram", {"do_sample": False, "repetition_penalty": 1.0}),
+    "ngram, greedy + rp 1.1": ("ngram", {"do_sample": False, "repetition_penalty": 1.1}),
+}
+
+
+class _ProcessorTimer:
+    """Times every TreeProcessors.scores call with a device sync on either side (instrumented pass)."""
+
+    def __init__(self, device: torch.device):
+        from specsplit.engines import processing
+
+        self.mod, self.orig, self.device = processing.TreeProcessors, processing.TreeProcessors.scores, device
+        self.times: list[float] = []
+
+    def __enter__(self) -> _ProcessorTimer:
+        timer = self
+
+        def timed(proc: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            _sync(timer.device)
+            t = time.perf_counter()
+            out = timer.orig(proc, *args, **kwargs)
+            _sync(timer.device)
+            timer.times.append(time.perf_counter() - t)
+            return out
+
+        self.mod.scores = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mod.scores = self.orig  # type: ignore[method-assign]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generator(target: Any, drafter: str, device: str, cuda_graphs: bool) -> Any:
+    from specsplit import SpecSplitConfig, SpecSplitGenerator
+    from specsplit.config import TargetConfig
+
+    cfg = SpecSplitConfig(drafter="ngram" if drafter == "ngram" else "model",
+                          target=TargetConfig(device=device, cuda_graphs=cuda_graphs))  # fmt: skip
+    return SpecSplitGenerator(target, None, config=cfg)
+
+
+def _run_all(gen: Any, prompts: list[list[int]], kw: dict[str, Any], seed: int) -> dict[str, float]:
+    tokens = rounds = 0
+    round_s = 0.0
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        out = gen.generate(torch.tensor([p]), generator=torch.Generator().manual_seed(seed + i),
+                           return_dict_in_generate=True, **kw)  # fmt: skip
+        st = out.spec_stats
+        tokens += st.new_tokens
+        rounds += len(st.rounds)
+        round_s += sum(r.draft_s + r.verify_s + r.host_s for r in st.rounds)
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "rounds": rounds, "wall_s": wall, "tok_per_s": tokens / wall,
+            "round_ms": 1e3 * round_s / max(rounds, 1), "tokens_per_round": tokens / max(rounds, 1)}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from specsplit.bench.run import load_prompts, tokenize_prompts
+
+    if args.smoke:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import sharpen, tiny_llama
+
+        target = sharpen(tiny_llama(0))
+        prompts = [[5, 17, 33, 81, 9, 100] * 3, [7, 7, 12, 40, 41, 42] * 3]
+        device, max_new, graphs = "cpu", 32, False
+        args.target = "tiny random Llama"
+    else:
+        from specsplit.models import load_model, load_tokenizer
+
+        target = load_model(args.target, dtype=args.dtype, device=args.device)
+        bench = load_prompts(ROOT / "benchmarks" / "prompts", args.prompts_per_category)
+        tokenize_prompts(bench, load_tokenizer(args.target))
+        prompts = [p.input_ids for p in bench]
+        device, max_new, graphs = args.device, args.max_new_tokens, True
+    dev = torch.device(device)
+    rows: dict[str, Any] = {}
+    for name, (drafter, opts) in CONFIGS.items():
+        kw = {"max_new_tokens": max_new, **opts}
+        with _generator(target, drafter, device, graphs) as gen:
+            _run_all(gen, prompts, kw, args.seed)  # untimed: captures, compiles, warms caches
+            row = _run_all(gen, prompts, kw, args.seed)
+            if opts["repetition_penalty"] != 1.0:
+                with _ProcessorTimer(dev) as timer:
+                    inst = _run_all(gen, prompts, kw, args.seed)
+                row["processor_ms_per_round"] = 1e3 * statistics.fmean(timer.times) if timer.times else 0.0
+                row["processor_share_of_round"] = row["processor_ms_per_round"] / row["round_ms"]
+                row["instrumented_round_ms"] = inst["round_ms"]
+        rows[name] = row
+        print(f"{name:34s} {row['tok_per_s']:8.1f} tok/s  {row['round_ms']:7.2f} ms/round  "
+              f"{row['tokens_per_round']:5.2f} tok/round"
+              + (f"  processors {row['processor_ms_per_round']:.3f} ms ({100 * row['processor_share_of_round']:.1f}%)"
+                 if "processor_ms_per_round" in row else ""), flush=True)  # fmt: skip
+    return {"configs": rows, "prompts": len(prompts), "max_new_tokens": max_new, "target": args.target,
+            "cuda_graphs": graphs}  # fmt: skip
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = [
+        f"# Logits-processor cost per round: {res['device']}, {res['target']}",
+        "",
+        f"`{res['command']}` ({res['date']}; torch {res['torch']}; {res['prompts']} prompts x "
+        f"{res['max_new_tokens']} new tokens, CUDA graphs {'on' if res['cuda_graphs'] else 'off'})",
+        "",
+        "| configuration | tok/s | ms / round | tokens / round | round time vs no penalty | processors ms / round "
+        "(synced) | share of round |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in res["configs"].items():
+        pm = f"{r['processor_ms_per_round']:.3f}" if "processor_ms_per_round" in r else "-"
+        share = f"{100 * r['processor_share_of_round']:.1f}%" if "processor_share_of_round" in r else "-"
+        base = res["configs"].get(name.replace(" + rp 1.1", ""))
+        delta = (
+            f"{100 * (r['round_ms'] / base['round_ms'] - 1):+.1f}%"
+            if base is not None and base is not r
+            else "-"
+        )
+        lines.append(f"| {name} | {r['tok_per_s']:.1f} | {r['round_ms']:.2f} | {r['tokens_per_round']:.2f} | "
+                     f"{delta} | {pm} | {share} |")  # fmt: skip
+    lines += ["", "Processors ms / round: the processor pass alone, timed with a device sync on either side in a "
+              "second pass; the round-time column compares the un-instrumented passes."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(res: dict[str, Any], path: Path) -> bool:
+    from specsplit.bench.report import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    names = list(res["configs"])
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    round_ms = [res["configs"][n]["round_ms"] for n in names]
+    proc_ms = [res["configs"][n].get("processor_ms_per_round", 0.0) for n in names]
+    ys = range(len(names))
+    ax.barh(ys, [r - p for r, p in zip(round_ms, proc_ms, strict=True)], label="rest of the round")
+    ax.barh(ys, proc_ms, left=[r - p for r, p in zip(round_ms, proc_ms, strict=True)],
+            label="logits processors (measured with syncs)")  # fmt: skip
+    ax.set_yticks(list(ys), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per round (mean)")
+    ax.set_title(f"Logits processors per round: {res['device']}")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from datetime import date
+
+    from specsplit.bench.report import rerender, write_result
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rerender"]:
+        print(rerender(Path(argv[1]), _table, write_plot))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompts-per-category", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    result = run(args)
+    cuda = not args.smoke and args.device.startswith("cuda")
+    result.update(command="python benchmarks/processors_cost.py " + " ".join(argv), date=str(date.today()),
+                  device=torch.cuda.get_device_name(args.device) if cuda else platform.processor() or "cpu",
+                  torch=torch.__version__)  # fmt: skip
+    name = "processors_cost" + (f"-{args.tag}" if args.tag else "")
+    print(write_result(result, args.out, name, _table, write_plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
