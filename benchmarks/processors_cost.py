@@ -8,11 +8,19 @@ its share of the round is that time over the round time of the un-instrumented p
 
     python benchmarks/processors_cost.py --target qwen2.5-coder-1.5b --device cuda:0 --out benchmarks/results
     python benchmarks/processors_cost.py --smoke      # tiny random model on the CPU (checks the script)
+    python benchmarks/processors_cost.py --micro --device cuda:0   # the scoring step alone, by tree size
+
+``--micro`` times, with CUDA events over many repetitions, what turns a verified tree's logits into
+the distribution verification uses: SpecSplit's own sampling transform (temperature, top-k, top-p)
+against the HF processor pass with the repetition penalty (processors, warpers, softmax), for trees
+of several sizes over a Qwen2.5-sized vocabulary (the weights do not matter: a one-layer model of
+that vocabulary supplies the processor list).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import sys
@@ -135,6 +143,90 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cuda_graphs": graphs}  # fmt: skip
 
 
+def micro(args: argparse.Namespace) -> dict[str, Any]:
+    """The scoring step alone: SpecSplit's transform vs the HF processor pass, per tree size."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specsplit.core.sampling import SamplingParams, logits_to_probs
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.processing import TreeProcessors
+    from specsplit.messages import LogitsProcessing
+
+    dev = torch.device(args.device)
+    vocab = 151_936
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    sampling = SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    options = {**SAMPLING, "repetition_penalty": 1.1, "max_length": 4096}
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for nodes, context in [(0, 512), (8, 512), (16, 512), (32, 512), (16, 2048)]:
+        depth = min(nodes, 6)
+        parents = [-1 if i < max(nodes - depth + 1, 1) else i - 1 for i in range(nodes)]
+        depths = [1] * nodes
+        for i, p in enumerate(parents):
+            depths[i] = 1 if p < 0 else depths[p] + 1
+        tree = TokenTree(torch.randint(0, vocab, (nodes,), generator=g), torch.tensor(parents, dtype=torch.long),
+                         torch.tensor(depths, dtype=torch.long), torch.zeros(nodes)).to(dev)  # fmt: skip
+        proc = TreeProcessors(model, LogitsProcessing(options, context), dev)
+        length = proc.begin(0, torch.randint(0, vocab, (context,), generator=g).tolist())
+        logits = (torch.randn(nodes + 1, vocab, generator=g) * 3).to(dev, torch.bfloat16)
+
+        ours = functools.partial(logits_to_probs, logits, sampling)
+        theirs = functools.partial(_processed_probs, proc, logits, tree, depths, length)
+        rows.append({"nodes": nodes, "context": context, "specsplit_ms": _time_ms(ours, dev),
+                     "hf_processors_ms": _time_ms(theirs, dev)})  # fmt: skip
+        r = rows[-1]
+        print(f"{nodes:3d} nodes, context {context:5d}: ours {r['specsplit_ms']:.3f} ms, "
+              f"HF processors {r['hf_processors_ms']:.3f} ms", flush=True)  # fmt: skip
+    return {"micro": rows, "vocab": vocab, "options": options}
+
+
+def _processed_probs(
+    proc: Any, logits: torch.Tensor, tree: Any, depths: list[int], length: int
+) -> torch.Tensor:
+    return torch.softmax(proc.scores(logits, tree, depths, length), -1)
+
+
+def _time_ms(fn: Any, dev: torch.device, reps: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - t) / reps
+    torch.cuda.synchronize(dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize(dev)
+    return start.elapsed_time(end) / reps
+
+
+def _micro_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"# The scoring step alone: {res['device']}",
+        "",
+        f"`{res['command']}` ({res['date']}; torch {res['torch']}; vocab {res['vocab']}; "
+        f"options {res['options']})",
+        "",
+        "| tree nodes | context | SpecSplit's transform ms | HF processor pass ms | extra ms |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["micro"]:
+        lines.append(f"| {r['nodes']} | {r['context']} | {r['specsplit_ms']:.3f} | {r['hf_processors_ms']:.3f} | "
+                     f"{r['hf_processors_ms'] - r['specsplit_ms']:+.3f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _no_plot(res: dict[str, Any], path: Path) -> bool:
+    return False
+
+
 def _table(res: dict[str, Any]) -> str:
     lines = [
         f"# Logits-processor cost per round: {res['device']}, {res['target']}",
@@ -201,9 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU")
+    ap.add_argument("--micro", action="store_true", help="time the scoring step alone, by tree size")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.micro:
+        res = micro(args)
+        res.update(command="python benchmarks/processors_cost.py " + " ".join(argv), date=str(date.today()),
+                   device=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+                   torch=torch.__version__)  # fmt: skip
+        print(write_result(res, args.out, "processors_micro" + (f"-{args.tag}" if args.tag else ""),
+                           _micro_table, _no_plot))  # fmt: skip
+        return 0
     result = run(args)
     cuda = not args.smoke and args.device.startswith("cuda")
     result.update(command="python benchmarks/processors_cost.py " + " ".join(argv), date=str(date.today()),
