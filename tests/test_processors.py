@@ -346,7 +346,9 @@ def test_tree_scores_equal_hf_processors_row_by_row(pair, sample: bool) -> None:
     tokens = [41, 6, 9, 5, 40, 41, 6]
     parents = [-1, -1, -1, 0, 0, 1, 3]
     depths = [1, 1, 1, 2, 2, 2, 3]
-    tree = TokenTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens)))
+    tree = TokenTree(
+        torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens))
+    )
     spec = LogitsProcessing(options, len(prompt), [2, 2])  # two pads before the prompt
     proc = TreeProcessors(target, spec, torch.device("cpu"))
     proc.begin(0, prompt)
@@ -368,3 +370,35 @@ def test_tree_scores_equal_hf_processors_row_by_row(pair, sample: bool) -> None:
             node = parents[node]
         theirs = hf(torch.tensor([base + path]), logits[row : row + 1].clone())
         torch.testing.assert_close(ours[row : row + 1], theirs, msg=f"row {row}")
+
+
+def test_constrained_json_example_equals_hf_and_is_valid_json(pair) -> None:
+    """``examples/constrained_json.py``: its processor, over a vocabulary whose tokens spell JSON
+    pieces, gives HF ``generate()``'s output under speculation, and that output is a JSON array."""
+    import importlib.util
+    import json
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "constrained_json", ROOT / "examples" / "constrained_json.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    target, draft = pair
+    pieces = ["[", "]", ",", ", ", "1", "2", "3", "17", "42", "100", "7]", "[1", "abc", "{", "x,", "]]"]
+    texts = [pieces[i % len(pieces)] if i >= 8 else "" for i in range(256)]
+    ids = torch.tensor([PROMPT])
+    constrain = mod.JsonIntArrayProcessor(texts, len(PROMPT), eos_token_id=7)
+    kw: dict[str, Any] = dict(logits_processor=[constrain], eos_token_id=7)
+    ref = _hf(target, ids, **kw)
+    for drafter in ("ngram", "dynamic"):
+        with _generator(pair, None, "local", drafter) as gen:
+            out = gen.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True, **kw)
+        assert torch.equal(out.sequences, ref)
+    new = ref[0, len(PROMPT) :].tolist()
+    body = new[: new.index(7)] if 7 in new else new
+    assert constrain.state(body) >= 0  # a prefix of a JSON array of integers
+    if 7 in new:  # closed, then EOS
+        assert isinstance(json.loads("".join(texts[t] for t in body)), list)
