@@ -286,3 +286,13 @@ def test_tree_limits_bound_the_work_not_just_the_nodes(spec: pb.TreeSpec, ok: bo
     else:
         with pytest.raises(ResourceExhausted, match="costs"):
             check_tree_spec(spec, ServerLimits())
+
+
+def test_compute_slots_default_by_device() -> None:
+    """One compute slot on a CPU worker (a call already uses every core), two on a GPU; an explicit
+    value is kept."""
+    assert AdmissionLimits().resolved(0, "cpu").compute_slots == 1
+    assert AdmissionLimits().resolved(2, "cuda:0").compute_slots == 2
+    assert AdmissionLimits(compute_slots=3).resolved(0, "cpu").compute_slots == 3
+    with pytest.raises(ValueError):
+        AdmissionLimits(compute_slots=0)

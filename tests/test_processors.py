@@ -402,3 +402,20 @@ def test_constrained_json_example_equals_hf_and_is_valid_json(pair) -> None:
     assert constrain.state(body) >= 0  # a prefix of a JSON array of integers
     if 7 in new:  # closed, then EOS
         assert isinstance(json.loads("".join(texts[t] for t in body)), list)
+
+
+@pytest.mark.parametrize("transport", ["local", "grpc"])
+def test_forced_bos_on_a_one_token_prompt_and_criteria_over_either_transport(
+    pair, servers, transport
+) -> None:
+    """``forced_bos_token_id`` acts when the prompt is one token long; stopping criteria run where
+    the loop runs (the client), whatever the transport."""
+    ids = torch.tensor([[5]])
+    ref = _hf(pair[0], ids, forced_bos_token_id=33)
+    assert ref[0, 1] == 33
+    with _generator(pair, servers, transport, "dynamic") as gen:
+        assert torch.equal(gen.generate(ids, max_new_tokens=NEW, forced_bos_token_id=33), ref)
+        stop = int(ref[0, 6])
+        ref2 = _hf(pair[0], ids, forced_bos_token_id=33, stopping_criteria=[_StopAt(stop)])
+        out = gen.generate(ids, max_new_tokens=NEW, forced_bos_token_id=33, stopping_criteria=[_StopAt(stop)])
+    assert ref2.shape[1] < ref.shape[1] and torch.equal(out, ref2)

@@ -88,8 +88,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compute-slots",
         type=int,
-        default=2,
-        help="engine calls (or rounds of generations run here) at once, shared fairly between clients",
+        default=None,
+        help="engine calls (or rounds of generations run here) at once, shared fairly between clients "
+        "(default: 2 on a GPU, 1 on a CPU)",
     )
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a queued call waits for a slot")
     p.add_argument(

@@ -56,8 +56,10 @@ class AdmissionLimits:
             (``None``: the worker's); callers of a worker without tokens share the worker's.
         queue_timeout_s: the longest a call waits in the queue before it is refused.
         compute_slots: engine calls (a generation's rounds count as one each) that execute at once,
-            shared evenly between clients. Two let one call's host work overlap another's device
-            work, and leave one slot to a second client while a first one holds the other.
+            shared evenly between clients. ``None``: 2 on a GPU, where one call's host work then
+            overlaps another's device work and a second client finds a slot while a first holds
+            the other; 1 on a CPU, where a call already uses every core and two at once only
+            split them (a second client then waits for one call, not for half the machine).
         light_calls: ``Ping`` / ``EndSession`` / health checks served at once.
         stream_idle_s: a request stream idle this long is cancelled.
     """
@@ -67,13 +69,13 @@ class AdmissionLimits:
     max_calls_per_client: int | None = None
     max_queued_per_client: int | None = None
     queue_timeout_s: float = 10.0
-    compute_slots: int = 2
+    compute_slots: int | None = None
     light_calls: int = 4
     stream_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_calls", "compute_slots", "light_calls"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0 or self.queue_timeout_s < 0 or self.stream_idle_s <= 0:
             raise ValueError("max_queued and queue_timeout_s must be >= 0, stream_idle_s > 0")
@@ -83,11 +85,14 @@ class AdmissionLimits:
         """Threads of the worker's pool: every admitted call, light call and the spare ones."""
         return self.max_calls + self.max_queued + self.light_calls + _SPARE_THREADS
 
-    def resolved(self, clients: int) -> AdmissionLimits:
-        """These limits with the defaults filled in for a worker with ``clients`` named clients:
-        per-client bounds are half the worker's when several share it (one client's calls then
-        leave room for another's)."""
+    def resolved(self, clients: int, device: str = "cpu") -> AdmissionLimits:
+        """These limits with the defaults filled in for a worker with ``clients`` named clients
+        whose engine runs on ``device``: per-client bounds are half the worker's when several share
+        it (one client's calls then leave room for another's); compute slots by device."""
         several = clients >= 2
+        slots = (
+            self.compute_slots if self.compute_slots is not None else (1 if device.startswith("cpu") else 2)
+        )
         half_calls, half_queue = max(1, self.max_calls // 2), max(0, self.max_queued // 2)
         return replace(
             self,
@@ -97,6 +102,7 @@ class AdmissionLimits:
             max_queued_per_client=self.max_queued_per_client
             if self.max_queued_per_client is not None or not several
             else half_queue,
+            compute_slots=slots,
         )
 
 
@@ -272,7 +278,7 @@ class Admission:
 
         self._call_cap, self._queue_cap = call_cap, queue_cap
         self.calls = FairGate(lim.max_calls, call_cap)
-        self.compute = FairGate(lim.compute_slots, fair=True)
+        self.compute = FairGate(lim.compute_slots if lim.compute_slots is not None else 2, fair=True)
         self.streams = StreamWatch(lim.stream_idle_s)
         self._pending: Counter[str] = Counter()  # open + queued calls per key
         self._pending_total = 0

@@ -431,7 +431,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 max_context=cfg.max_context,
             )
         self._h = _Handler(engine, "target", limits, max_streams, admission)
-        self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity, tree_slots)
+        self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity, tree_slots, self._h.compute)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
         self._drafting = drafting or WorkerDrafting()
 
@@ -492,12 +492,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             with torch.inference_mode(), self._h.locks.hold(req.session_id):
                 try:
                     while True:
-                        # A round (its draft call and its verification) is one turn of this worker's
-                        # compute, shared fairly between clients; sending it to the client is not.
-                        # The turn covers the draft call so that one client's many generations run
-                        # one round at a time when others wait, not many draft calls at once.
-                        with self._h.compute():
-                            item = next(rounds, None)
+                        # A round's verification is one turn of this worker's compute, shared fairly
+                        # between clients (TargetLoopTransport takes it); its draft call is a turn
+                        # of the draft worker's, and sending the round to the client is neither. A
+                        # client waiting here for a turn waits for one verification, not a round.
+                        item = next(rounds, None)
                         if item is None:
                             break
                         yield convert.generate_update_to_proto(GenerateUpdate([item]))

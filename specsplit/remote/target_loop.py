@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -71,6 +72,8 @@ class TargetLoopTransport:
         draft: client of the draft worker, or ``None`` (every generation is target-only).
         clamp_capacity: the worker's clamp of capacity hints to its ``max_context``.
         tree_slots: use tree slots where possible (``specsplit serve target --tree-ipc``).
+        compute: a turn of the worker's compute, taken around each verification (the draft call
+            is the draft worker's compute, shared there); ``None``: none taken.
     """
 
     def __init__(
@@ -79,8 +82,10 @@ class TargetLoopTransport:
         draft: GrpcTransport | None,
         clamp_capacity: Callable[[int], int],
         tree_slots: bool = True,
+        compute: Callable[[], AbstractContextManager[None]] | None = None,
     ):
         self.engine = engine
+        self._compute = compute or nullcontext
         self._draft = draft
         self._clamp = clamp_capacity
         self._want_slots = tree_slots and draft is not None
@@ -172,7 +177,8 @@ class TargetLoopTransport:
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         request.capacity_hint = self._clamp(request.capacity_hint)
-        return self.engine.verify(request)
+        with self._compute():
+            return self.engine.verify(request)
 
     def end_session(self, session_id: str) -> None:
         with self._slots_lock:

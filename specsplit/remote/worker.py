@@ -120,9 +120,12 @@ def _tokens(auth_token: str | ClientTokens | None) -> ClientTokens | None:
     return ClientTokens.single(auth_token.strip()) if auth_token.strip() else None
 
 
-def _admission(max_workers: int, admission: AdmissionLimits | None, tokens: ClientTokens | None) -> Admission:
+def _admission(
+    max_workers: int, admission: AdmissionLimits | None, tokens: ClientTokens | None, engine: Any
+) -> Admission:
     lim = admission or AdmissionLimits(max_calls=max_workers, max_queued=max_workers)
-    return Admission(lim.resolved(len(tokens.names) if tokens is not None else 0))
+    device = str(getattr(engine, "device", "cpu"))
+    return Admission(lim.resolved(len(tokens.names) if tokens is not None else 0, device))
 
 
 def _limit_engine(engine: Any, handler: Any, limits: ServerLimits, tokens: ClientTokens | None) -> None:
@@ -227,7 +230,7 @@ def serve_draft(
     """
     limits = limits or ServerLimits()
     tokens = _tokens(auth_token)
-    adm = _admission(max_workers, admission, tokens)
+    adm = _admission(max_workers, admission, tokens, engine)
     servicer = DraftServicer(engine, limits, max_streams(adm.limits.max_calls), adm, tree_slots)
     _limit_engine(engine, servicer._h, limits, tokens)
     server = _serve("draft", servicer, pb_grpc.add_DraftServiceServicer_to_server, engine, port, host, adm, tls,
@@ -287,7 +290,7 @@ def serve_target(
     """
     limits = limits or ServerLimits()
     tokens = _tokens(auth_token)
-    adm = _admission(max_workers, admission, tokens)
+    adm = _admission(max_workers, admission, tokens, engine)
     draft = None
     if draft_address:
         draft = GrpcTransport(None, draft_address, timeout_s=draft_timeout_s, auth_token=draft_auth_token,
