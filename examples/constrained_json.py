@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="a draft model (default: none; n-gram trees)")
     ap.add_argument("--drafter", default="ngram", choices=["ngram", "suffix", "hybrid", "auto", "model"])
     ap.add_argument("--prompt", default="Write the first 40 prime numbers as a JSON array of integers.")
-    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--max-new-tokens", type=int, default=220)
     args = ap.parse_args()
 
     gen = SpecSplitGenerator.from_pretrained(
@@ -120,7 +120,11 @@ def main() -> None:
     ours_s = time.perf_counter() - t
     answer = tok.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
     print(answer)
-    print("valid JSON:", isinstance(json.loads(answer), list))
+    body = [t for t in out.sequences[0, ids.shape[1] :].tolist() if t != constrain.eos]
+    if constrain.state(body) == DONE:
+        print("a complete JSON array of", len(json.loads(answer)), "integers")
+    else:
+        print("cut at max_new_tokens; a valid prefix so far:", constrain.state(body) >= 0)
     s = out.spec_stats.summary()
     print(f"SpecSplit ({args.drafter}): {s['new_tokens']} tokens in {ours_s:.2f} s, tau {s['tau']:.2f}")
     if model is not None:  # the same processor in HF generate(): the same tokens
