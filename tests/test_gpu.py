@@ -445,3 +445,40 @@ def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode
         assert torch.equal(gen.generate(ids, generator=torch.Generator().manual_seed(9), **kw), sampled_ref)
         sizes = {key[0] for key in gen.target_engine._rounds}
     assert sizes <= {0, 2, 4, 8, 16, 32}
+
+
+@pytest.mark.parametrize("mode", ["ngram", "model"])
+def test_logits_processors_on_cuda_graph_targets(llama_target, llama_draft_random, mode):
+    """HF logits processors on a CUDA-graph target (history buffer, tree contexts, scores on the
+    device): greedy output equals HF ``generate()`` with the same options, sampling equals plain
+    decoding's seeded tokens, and ``output_scores`` come back on the device."""
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev) if mode == "model" else None
+    graphs = EngineTuning(graph_capacity=512)
+    cfg = SpecSplitConfig(
+        drafter=mode,
+        tree=TreeConfig(shape="dynamic", topk=2, width=2, budget=8, max_depth=3),
+        draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, tuning=graphs),
+        target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, tuning=graphs),
+    )
+    ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17, 33, 81]])
+    opts = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, suppress_tokens=[7, 8])
+    ref = llama_target.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=0, **opts)
+    kw = dict(max_new_tokens=32, do_sample=True, temperature=0.8, top_k=40, repetition_penalty=1.2)
+    plain_cfg = SpecSplitConfig(target=TargetConfig(device=tdev, dtype="float32"))
+    with SpecSplitGenerator(copy.deepcopy(llama_target).to(tdev), None, config=plain_cfg) as plain:
+        sampled_ref = plain.generate(ids, generator=torch.Generator().manual_seed(4), **kw)
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        for _ in range(2):
+            out = gen.generate(
+                ids, max_new_tokens=48, return_dict_in_generate=True, output_scores=True, **opts
+            )
+            assert torch.equal(out.sequences, ref)
+        assert out.scores is not None and out.scores[0].device.type == "cuda" and len(out.scores) == 48
+        if mode == "ngram":
+            assert torch.equal(
+                gen.generate(ids, generator=torch.Generator().manual_seed(4), **kw), sampled_ref
+            )
