@@ -650,7 +650,7 @@ def table(r: dict[str, Any]) -> str:
          f"{f['draft_kill_target_loop']['identical']}; used again after "
          f"{f['draft_kill_client_loop']['used_again_after_s']} s (client loop), "
          f"{f['draft_kill_target_loop']['used_again_after_s']} s (target loop)"),
-        ("200-session soak", "memory and session count back to baseline",
+        ("soak: 200 generations one after another", "memory and session count back to baseline",
          f"{k['generations']} generations, {k['errors']} errors; sessions {k['sessions_before']} → "
          f"{k['sessions_after']}; RSS MiB target/draft {k['rss_mib_before']} → {k['rss_mib_after']}"),
     ]  # fmt: skip

@@ -482,3 +482,35 @@ def test_logits_processors_on_cuda_graph_targets(llama_target, llama_draft_rando
             assert torch.equal(
                 gen.generate(ids, generator=torch.Generator().manual_seed(4), **kw), sampled_ref
             )
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_no_hidden_host_syncs_with_a_repetition_penalty(
+    llama_target, llama_draft_random, graphs, outcome_reads
+):
+    """The processor pass (token history, every row's token set, the penalty) adds no host read to
+    a round: still only the verification outcome."""
+    import copy
+
+    from specsplit.messages import LogitsProcessing
+    from specsplit.pipeline import DecodeParams, decode
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    tuning = EngineTuning(graph_capacity=512)
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape="dynamic"),
+        draft=DraftConfig(device=ddev, cuda_graphs=graphs, tuning=tuning),
+        target=TargetConfig(device=tdev, cuda_graphs=graphs, tuning=tuning),
+    )
+    prompt = PROMPTS[0] + [11, 12, 13]
+    spec = LogitsProcessing({"repetition_penalty": 1.3, "max_length": 200}, len(prompt))
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, repetition_penalty=1.3)  # captures
+        params = DecodeParams(max_new_tokens=24, tree=cfg.tree, processing=spec)
+        torch.cuda.synchronize()
+        outcome_reads["n"] = 0
+        out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
+        torch.cuda.set_sync_debug_mode(0)
+    assert outcome_reads["n"] == len(stats.rounds)

@@ -419,3 +419,17 @@ def test_forced_bos_on_a_one_token_prompt_and_criteria_over_either_transport(
         ref2 = _hf(pair[0], ids, forced_bos_token_id=33, stopping_criteria=[_StopAt(stop)])
         out = gen.generate(ids, max_new_tokens=NEW, forced_bos_token_id=33, stopping_criteria=[_StopAt(stop)])
     assert ref2.shape[1] < ref.shape[1] and torch.equal(out, ref2)
+
+
+def test_local_and_grpc_give_the_same_tokens_and_acceptance(pair, servers) -> None:
+    """Same code both ways: with processors on, the two transports commit the same tokens and
+    accept the same counts every round."""
+    ids = torch.tensor([PROMPT])
+    kw: dict[str, Any] = dict(max_new_tokens=NEW, return_dict_in_generate=True, repetition_penalty=1.3,
+                              no_repeat_ngram_size=3)  # fmt: skip
+    outs = []
+    for transport in ("local", "grpc"):
+        with _generator(pair, servers, transport, "dynamic") as gen:
+            outs.append(gen.generate(ids, **kw))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].spec_stats.accepted_counts() == outs[1].spec_stats.accepted_counts()

@@ -152,6 +152,8 @@ class TreeProcessors:
             else:
                 self.stages.append((kind, [proc]))
         self.history = TokenHistory(spec.prefix_token_ids, device)
+        # Only per-depth batches need the tree's depths on the host (a read of a device tree).
+        self.needs_depths = any(kind == "rows" for kind, _ in self.stages)
 
     def begin(self, cached: int, pending: list[int]) -> int:
         """Record a round's pending tokens after the ``cached`` tokens the target holds; returns the
@@ -172,7 +174,8 @@ class TreeProcessors:
         Args:
             logits: `[N + 1, V]` the target's logits.
             tree: the verified tree (on the logits' device).
-            host_depths: the nodes' depths (host ints, 1 = a child of the context row).
+            host_depths: the nodes' depths (host ints, 1 = a child of the context row); read
+                only when :attr:`needs_depths`.
             length: row 0's context length (:meth:`begin`).
         """
         x = logits.to(torch.float32, copy=True)  # processors may work in place; the logits stay raw
@@ -227,16 +230,14 @@ def _apply(procs: list[Any], input_ids: torch.Tensor | None, scores: torch.Tenso
 def _levels(host_depths: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
     """Rows grouped by depth (row 0: depth 0; node i: row i + 1), as device index tensors made
     with one host-to-device copy."""
-    by_depth: dict[int, list[int]] = {0: [0]}
-    for i, d in enumerate(host_depths):
-        by_depth.setdefault(d, []).append(i + 1)
-    order = [r for d in sorted(by_depth) for r in by_depth[d]]
-    flat = h2d(torch.tensor(order, dtype=torch.long), device)
+    depth = torch.tensor([0, *host_depths], dtype=torch.long)
+    order = h2d(torch.argsort(depth, stable=True), device)
+    counts = torch.bincount(depth).tolist()
     out, start = [], 0
-    for d in sorted(by_depth):
-        n = len(by_depth[d])
-        out.append((d, flat[start : start + n]))
-        start += n
+    for d, n in enumerate(counts):  # one entry per depth level
+        if n:
+            out.append((d, order[start : start + n]))
+            start += n
     return out
 
 

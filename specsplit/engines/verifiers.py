@@ -166,7 +166,8 @@ class FullVerifier:
             and not any(returns)
         ):
             return self._one_graph(cache, tree, pending, max_branch, max_depth, stats)
-        host_depths = tree.depths.tolist() if proc is not None else []  # (a sync only for a device tree)
+        # Per-depth processors group rows on the host (for a device tree, a read of its depths).
+        host_depths = tree.depths.tolist() if proc is not None and proc.needs_depths else []
         tree = tree.to(eng.device)
         ids = torch.cat([h2d(torch.tensor(pending, dtype=torch.long), eng.device), tree.token_ids])  # [P + N]
         t = time.perf_counter()
