@@ -1,5 +1,7 @@
 """What HF logits processors cost per round: the same prompts with and without the model's
-repetition penalty, target-only and with n-gram trees, in one process on one device.
+repetition penalty, target-only, with n-gram trees and with a draft model's dynamic trees (the
+draft applying the processors to its own distribution or drafting from raw logits), in one process
+on one device.
 
 Each configuration generates every prompt once untimed (graph capture), then once timed. For the
 configurations with processors a second timed pass synchronises the device around the processor
@@ -35,13 +37,22 @@ sys.path.insert(0, str(ROOT))  # this checkout's specsplit
 
 # The model's published sampling defaults (Qwen2.5-Coder-Instruct) with and without its penalty.
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
-CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "target-only, sampling": ("none", {**SAMPLING, "repetition_penalty": 1.0}),
-    "target-only, sampling + rp 1.1": ("none", {**SAMPLING, "repetition_penalty": 1.1}),
-    "ngram, sampling": ("ngram", {**SAMPLING, "repetition_penalty": 1.0}),
-    "ngram, sampling + rp 1.1": ("ngram", {**SAMPLING, "repetition_penalty": 1.1}),
-    "ngram, greedy": ("ngram", {"do_sample": False, "repetition_penalty": 1.0}),
-    "ngram, greedy + rp 1.1": ("ngram", {"do_sample": False, "repetition_penalty": 1.1}),
+GREEDY = {"do_sample": False}
+# name -> (drafter, options, the draft model applies the processors too)
+CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "target-only, sampling": ("none", {**SAMPLING, "repetition_penalty": 1.0}, True),
+    "target-only, sampling + rp 1.1": ("none", {**SAMPLING, "repetition_penalty": 1.1}, True),
+    "ngram, sampling": ("ngram", {**SAMPLING, "repetition_penalty": 1.0}, True),
+    "ngram, sampling + rp 1.1": ("ngram", {**SAMPLING, "repetition_penalty": 1.1}, True),
+    "ngram, greedy": ("ngram", {**GREEDY, "repetition_penalty": 1.0}, True),
+    "ngram, greedy + rp 1.1": ("ngram", {**GREEDY, "repetition_penalty": 1.1}, True),
+    # With a draft model (dynamic trees): the draft applying the processors to its own q or not.
+    "model, sampling": ("model", {**SAMPLING, "repetition_penalty": 1.0}, True),
+    "model, sampling + rp 1.1": ("model", {**SAMPLING, "repetition_penalty": 1.1}, True),
+    "model, sampling + rp 1.1, raw draft": ("model", {**SAMPLING, "repetition_penalty": 1.1}, False),
+    "model, greedy": ("model", {**GREEDY, "repetition_penalty": 1.0}, True),
+    "model, greedy + rp 1.1": ("model", {**GREEDY, "repetition_penalty": 1.1}, True),
+    "model, greedy + rp 1.1, raw draft": ("model", {**GREEDY, "repetition_penalty": 1.1}, False),
 }
 
 
@@ -77,13 +88,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _generator(target: Any, drafter: str, device: str, cuda_graphs: bool) -> Any:
+def _generator(target: Any, draft: Any, drafter: str, device: str, cuda_graphs: bool, on_draft: bool) -> Any:
     from specsplit import SpecSplitConfig, SpecSplitGenerator
-    from specsplit.config import TargetConfig
+    from specsplit.config import DraftConfig, PipelineTuning, TargetConfig, TreeConfig
 
     cfg = SpecSplitConfig(drafter="ngram" if drafter == "ngram" else "model",
-                          target=TargetConfig(device=device, cuda_graphs=cuda_graphs))  # fmt: skip
-    return SpecSplitGenerator(target, None, config=cfg)
+                          tree=TreeConfig(shape="dynamic"),
+                          draft=DraftConfig(device=device, cuda_graphs=cuda_graphs),
+                          target=TargetConfig(device=device, cuda_graphs=cuda_graphs),
+                          tuning=PipelineTuning(draft_processors=on_draft))  # fmt: skip
+    return SpecSplitGenerator(target, draft if drafter == "model" else None, config=cfg)
 
 
 def _run_all(gen: Any, prompts: list[list[int]], kw: dict[str, Any], seed: int) -> dict[str, float]:
@@ -109,23 +123,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sys.path.insert(0, str(ROOT / "tests"))
         from conftest import sharpen, tiny_llama
 
-        target = sharpen(tiny_llama(0))
+        target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1))
         prompts = [[5, 17, 33, 81, 9, 100] * 3, [7, 7, 12, 40, 41, 42] * 3]
         device, max_new, graphs = "cpu", 32, False
-        args.target = "tiny random Llama"
+        args.target, args.draft = "tiny random Llama", "tiny random Llama"
     else:
         from specsplit.models import load_model, load_tokenizer
 
         target = load_model(args.target, dtype=args.dtype, device=args.device)
+        draft = load_model(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
         bench = load_prompts(ROOT / "benchmarks" / "prompts", args.prompts_per_category)
         tokenize_prompts(bench, load_tokenizer(args.target))
         prompts = [p.input_ids for p in bench]
         device, max_new, graphs = args.device, args.max_new_tokens, True
     dev = torch.device(device)
     rows: dict[str, Any] = {}
-    for name, (drafter, opts) in CONFIGS.items():
+    for name, (drafter, opts, on_draft) in CONFIGS.items():
+        if drafter == "model" and draft is None:
+            continue
         kw = {"max_new_tokens": max_new, **opts}
-        with _generator(target, drafter, device, graphs) as gen:
+        with _generator(target, draft, drafter, device, graphs, on_draft) as gen:
             _run_all(gen, prompts, kw, args.seed)  # untimed: captures, compiles, warms caches
             row = _run_all(gen, prompts, kw, args.seed)
             if opts["repetition_penalty"] != 1.0:
@@ -140,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               + (f"  processors {row['processor_ms_per_round']:.3f} ms ({100 * row['processor_share_of_round']:.1f}%)"
                  if "processor_ms_per_round" in row else ""), flush=True)  # fmt: skip
     return {"configs": rows, "prompts": len(prompts), "max_new_tokens": max_new, "target": args.target,
-            "cuda_graphs": graphs}  # fmt: skip
+            "draft": args.draft, "cuda_graphs": graphs}  # fmt: skip
 
 
 def micro(args: argparse.Namespace) -> dict[str, Any]:
@@ -229,7 +246,8 @@ def _no_plot(res: dict[str, Any], path: Path) -> bool:
 
 def _table(res: dict[str, Any]) -> str:
     lines = [
-        f"# Logits-processor cost per round: {res['device']}, {res['target']}",
+        f"# Logits-processor cost per round: {res['device']}, {res['target']}"
+        + (f" (draft {res['draft']})" if res.get("draft") else ""),
         "",
         f"`{res['command']}` ({res['date']}; torch {res['torch']}; {res['prompts']} prompts x "
         f"{res['max_new_tokens']} new tokens, CUDA graphs {'on' if res['cuda_graphs'] else 'off'})",
@@ -287,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument(
+        "--draft", default="qwen2.5-coder-0.5b", help="draft model of the 'model' rows ('': none)"
+    )
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts-per-category", type=int, default=2)

@@ -98,11 +98,13 @@ def main() -> None:
     ap.add_argument("--drafter", default="ngram", choices=["ngram", "suffix", "hybrid", "auto", "model"])
     ap.add_argument("--prompt", default="Write the first 40 prime numbers as a JSON array of integers.")
     ap.add_argument("--max-new-tokens", type=int, default=220)
+    ap.add_argument("--cuda-graphs", action="store_true", help="SpecSplit's CUDA-graph path (a GPU)")
+    ap.add_argument("--warmup", action="store_true", help="one untimed run of each side first")
     args = ap.parse_args()
 
-    gen = SpecSplitGenerator.from_pretrained(
-        target=args.target, draft=args.draft, config=SpecSplitConfig(drafter=args.drafter)
-    )
+    cfg = SpecSplitConfig(drafter=args.drafter)
+    cfg.target.cuda_graphs = cfg.draft.cuda_graphs = args.cuda_graphs
+    gen = SpecSplitGenerator.from_pretrained(target=args.target, draft=args.draft, config=cfg)
     tok, model = gen.tokenizer, gen.target_engine.runner.model if gen.target_engine else None
     messages = [{"role": "user", "content": args.prompt}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -115,6 +117,8 @@ def main() -> None:
         logits_processor=[constrain],
     )
 
+    if args.warmup:
+        gen.generate(ids, **kw)
     t = time.perf_counter()
     out = gen.generate(ids, return_dict_in_generate=True, **kw)
     ours_s = time.perf_counter() - t
@@ -128,11 +132,12 @@ def main() -> None:
     s = out.spec_stats.summary()
     print(f"SpecSplit ({args.drafter}): {s['new_tokens']} tokens in {ours_s:.2f} s, tau {s['tau']:.2f}")
     if model is not None:  # the same processor in HF generate(): the same tokens
+        mask = torch.ones_like(ids).to(model.device)
         with torch.inference_mode():
+            if args.warmup:
+                model.generate(ids.to(model.device), attention_mask=mask, **kw)
             t = time.perf_counter()
-            ref = model.generate(
-                ids.to(model.device), attention_mask=torch.ones_like(ids).to(model.device), **kw
-            )
+            ref = model.generate(ids.to(model.device), attention_mask=mask, **kw)
             hf_s = time.perf_counter() - t
         same = torch.equal(ref.cpu(), out.sequences)
         print(f"HF generate(): {hf_s:.2f} s; identical output: {same}; speedup {hf_s / ours_s:.2f}x")

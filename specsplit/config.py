@@ -384,12 +384,17 @@ class PipelineTuning:
             (unary calls wherever a worker refuses or lacks them). Off: unary calls only.
         sync_timing: synchronise the device around each span so telemetry's draft/verify split
             is exact (costs a little speed on a GPU).
+        draft_processors: the draft model applies the generation's logits processors
+            (repetition penalty, bans, biases, custom processors in-process) to its own
+            distribution, so its trees follow what the target accepts. Off: it drafts from raw
+            logits and keeps its one-graph dynamic-tree round. Output is the same either way.
         ngram: how n-gram drafters propose trees (:class:`NgramConfig`).
     """
 
     overlap_policy: Literal["adaptive", "always"] = "adaptive"
     grpc_streams: bool = True
     sync_timing: bool = False
+    draft_processors: bool = True
     ngram: NgramConfig = field(default_factory=NgramConfig)
 
     def __post_init__(self) -> None:

@@ -436,7 +436,9 @@ class SpecSplitGenerator:
         if not (procs or needs_processing(options) or params.return_scores):
             return dataclasses.replace(params, criteria_prefix=pads)
         spec = LogitsProcessing(options, width, pads, procs)
-        return dataclasses.replace(params, processing=spec, criteria_prefix=pads)
+        shaping = bool(procs) or needs_processing(options)  # not output_scores alone
+        draft = spec if shaping and self.config.tuning.draft_processors else None
+        return dataclasses.replace(params, processing=spec, draft_processing=draft, criteria_prefix=pads)
 
     def _padded_trees(self) -> bool:
         """Pad n-gram trees to a few sizes: the target may replay graphs (a remote one may: padding

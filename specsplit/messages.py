@@ -114,6 +114,9 @@ class DraftRequest:
             tokens; ``max_depth`` then caps ``assumed + tree depth``. If the guess turns out wrong
             the caller sends a normal request with the pre-speculation ``prefix_length`` and the
             engine drops the speculative tail, reusing the part that matches.
+        processing: HF logits processors the draft applies to its own distribution at every node
+            (the target's options, so drafts follow what the target will accept; None: raw
+            logits). Output never depends on it: ``q`` is exact about what was drawn either way.
     """
 
     session_id: str
@@ -125,6 +128,7 @@ class DraftRequest:
     max_depth: int | None = None
     capacity_hint: int = 0
     speculate: bool = False
+    processing: LogitsProcessing | None = None
 
 
 @dataclass

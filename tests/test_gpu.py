@@ -484,12 +484,37 @@ def test_logits_processors_on_cuda_graph_targets(llama_target, llama_draft_rando
             )
 
 
+def test_greedy_rounds_with_a_penalty_replay_as_one_captured_graph(llama_target):
+    """A greedy round whose processors are a repetition penalty and capture-safe ones replays as
+    ONE captured graph (forward, processors, acceptance, KV commit): HF's output, with graphs."""
+    import copy
+
+    _, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    cfg = SpecSplitConfig(
+        drafter="ngram",
+        target=TargetConfig(
+            device=tdev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)
+        ),
+    )
+    ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17, 33, 81]])
+    opts = dict(repetition_penalty=1.05, suppress_tokens=[7, 8])
+    ref = llama_target.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=0, **opts)
+    with SpecSplitGenerator(target, None, config=cfg) as gen:
+        for _ in range(2):
+            out = gen.generate(ids, max_new_tokens=48, return_dict_in_generate=True, **opts)
+            assert torch.equal(out.sequences, ref)
+        graphs = [rnd for key, rnd in gen.target_engine._rounds.items() if key[-1] is not None]
+    assert graphs and all(rnd.graph is not None for rnd in graphs)
+    assert sum(out.spec_stats.accepted_counts()) > 0
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_no_hidden_host_syncs_with_a_repetition_penalty(
     llama_target, llama_draft_random, graphs, outcome_reads
 ):
-    """The processor pass (token history, every row's token set, the penalty) adds no host read to
-    a round: still only the verification outcome."""
+    """The processor pass (token history, every row's token set, the penalty), on the target and
+    on the draft's levels, adds no host read to a round: still only the verification outcome."""
     import copy
 
     from specsplit.messages import LogitsProcessing
@@ -508,7 +533,7 @@ def test_no_hidden_host_syncs_with_a_repetition_penalty(
     spec = LogitsProcessing({"repetition_penalty": 1.3, "max_length": 200}, len(prompt))
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=20, repetition_penalty=1.3)  # captures
-        params = DecodeParams(max_new_tokens=24, tree=cfg.tree, processing=spec)
+        params = DecodeParams(max_new_tokens=24, tree=cfg.tree, processing=spec, draft_processing=spec)
         torch.cuda.synchronize()
         outcome_reads["n"] = 0
         out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())

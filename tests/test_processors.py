@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LogitsProcessor, StoppingCriteria
+from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TargetEngine, TreeConfig
 from specsplit.errors import ConfigError
@@ -372,6 +372,52 @@ def test_tree_scores_equal_hf_processors_row_by_row(pair, sample: bool) -> None:
         torch.testing.assert_close(ours[row : row + 1], theirs, msg=f"row {row}")
 
 
+@pytest.mark.parametrize("kind", ["graph", "ignore-prompt"])
+def test_penalty_mask_and_graph_scores_equal_hf_row_by_row(pair, kind: str) -> None:
+    """The repetition penalty as a token mask (and, for processors with a graph key, the
+    fixed-shape device path a one-graph greedy round captures) equals HF's list row by row; a
+    penalty that ignores part of the prompt takes the generic context path, also exact."""
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.processing import TreeProcessors, device_scores
+    from specsplit.messages import LogitsProcessing
+
+    target = pair[0]
+    options: dict[str, Any] = {"repetition_penalty": 1.7}
+    custom = []
+    if kind == "graph":
+        options |= {"suppress_tokens": [3, 9], "renormalize_logits": True}
+    else:
+        custom = [RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=6)]
+    prompt = [11, 12, 40, 13, 5, 14, 15, 16]
+    committed = [17, 5]
+    tokens, parents, depths = [40, 6, 5, 13, 17], [-1, -1, 0, 2, 1], [1, 1, 2, 3, 2]
+    tree = TokenTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(5))
+    proc = TreeProcessors(target, LogitsProcessing(options, len(prompt), [2], custom), torch.device("cpu"))
+    assert (proc.graph_key is not None) == (kind == "graph")
+    proc.begin(0, prompt)
+    length = proc.begin(len(prompt), committed)
+    logits = torch.randn(len(tokens) + 1, 256, generator=torch.Generator().manual_seed(1)) * 4
+    ours = [proc.scores(logits, tree, depths, length)]
+    if kind == "graph":
+        ours.append(device_scores(proc.stages, logits, tree, proc.presence(256, length)))
+    gc = GenerationConfig(**options)
+    target._prepare_special_tokens(gc, True, torch.device("cpu"))
+    hf = target._get_logits_processor(gc, input_ids_seq_length=len(prompt), device="cpu",
+                                      logits_processor=custom, model_kwargs={})  # fmt: skip
+    for row in range(len(tokens) + 1):
+        path: list[int] = []
+        node = row - 1
+        while node >= 0:
+            path.insert(0, tokens[node])
+            node = parents[node]
+        theirs = hf(torch.tensor([[2] + prompt + committed + path]), logits[row : row + 1].clone())
+        for x in ours:
+            torch.testing.assert_close(x[row : row + 1], theirs, rtol=0, atol=0, msg=f"row {row}")
+
+
 def test_constrained_json_example_equals_hf_and_is_valid_json(pair) -> None:
     """``examples/constrained_json.py``: its processor, over a vocabulary whose tokens spell JSON
     pieces, gives HF ``generate()``'s output under speculation, and that output is a JSON array."""
@@ -433,3 +479,101 @@ def test_local_and_grpc_give_the_same_tokens_and_acceptance(pair, servers) -> No
             outs.append(gen.generate(ids, **kw))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert outs[0].spec_stats.accepted_counts() == outs[1].spec_stats.accepted_counts()
+
+
+# ---------------------------------------------------------------------- the draft side
+DRAFT_OPTIONS: dict[str, Any] = {"repetition_penalty": 1.6, "no_repeat_ngram_size": 2,
+                                 "sequence_bias": [[[33], 3.0]]}  # fmt: skip
+DRAFT_TREES = {
+    "chain": TreeConfig(shape="chain", num_draft_tokens=6),
+    "static": TreeConfig(shape="static", paths=[[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]),
+    "dynamic": TreeConfig(shape="dynamic", topk=2, width=2, budget=64, max_depth=5),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(DRAFT_TREES))
+def test_draft_main_path_is_hf_greedy_of_the_draft_with_the_processors(pair, shape: str) -> None:
+    """The draft applies the processors to every node with that node's own context: the tree's
+    main path (first child at each level) is what HF ``generate()`` of the DRAFT model writes with
+    the same options, also after the session has grown by committed tokens."""
+    from specsplit import DraftEngine, DraftRequest
+    from specsplit.core.growth import main_path
+    from specsplit.messages import LogitsProcessing
+
+    draft = pair[1]
+    tree = DRAFT_TREES[shape]
+    depth = tree.depth_limit
+    ids = torch.tensor([PROMPT])
+
+    def hf(n: int, **opts: Any) -> list[int]:
+        """HF's greedy loop with the processors ``generate()`` builds (past any EOS: a draft tree
+        does not stop at one)."""
+        gc = GenerationConfig(do_sample=False, **opts)
+        procs = draft._get_logits_processor(
+            gc, input_ids_seq_length=len(PROMPT), device="cpu", model_kwargs={}
+        )
+        seq = ids
+        with torch.no_grad():
+            for _ in range(n):
+                scores = procs(seq, draft(seq).logits[:, -1].float())
+                seq = torch.cat([seq, scores.argmax(-1, keepdim=True)], dim=1)
+        return seq[0, len(PROMPT) :].tolist()
+
+    ref, raw = hf(3 + depth, **DRAFT_OPTIONS), hf(depth)
+    assert ref[:depth] != raw  # the options change the draft's own greedy path here
+    engine = DraftEngine(draft)
+    try:
+        spec = LogitsProcessing(dict(DRAFT_OPTIONS), len(PROMPT))
+        res = engine.generate(DraftRequest("s", PROMPT, 0, tree, processing=spec))
+        assert main_path(res.tree) == ref[:depth]
+        res = engine.generate(DraftRequest("s", ref[:3], len(PROMPT), tree, processing=spec))
+        assert main_path(res.tree) == ref[3 : 3 + depth]
+        res = engine.generate(DraftRequest("t", PROMPT, 0, tree))  # without: the raw greedy path
+        assert main_path(res.tree) == raw
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["local", "grpc"])
+def test_draft_processors_raise_acceptance_and_change_no_token(pair, servers, transport: str) -> None:
+    """A bias the target follows (token 33 after every token) is invisible to a raw draft; with the
+    draft applying the processors its chains are accepted. The output is HF's either way."""
+    from specsplit.config import PipelineTuning
+
+    ids = torch.tensor([PROMPT])
+    kw: dict[str, Any] = dict(max_new_tokens=NEW, return_dict_in_generate=True,
+                              sequence_bias=[[[33], 40.0]])  # fmt: skip
+    ref = _hf(pair[0], ids, sequence_bias=[[[33], 40.0]])
+    accepted = {}
+    for on in (False, True):
+        gen = _generator(pair, servers, transport, "chain")
+        gen.config.tuning = PipelineTuning(draft_processors=on)
+        with gen:
+            out = gen.generate(ids, **kw)
+        assert torch.equal(out.sequences, ref)
+        accepted[on] = sum(out.spec_stats.accepted_counts())
+    assert accepted[False] <= NEW // 4 < NEW // 2 <= accepted[True], accepted
+
+
+def test_greedy_rounds_with_a_penalty_replay_as_one_round_graph(pair) -> None:
+    """On the static (CUDA-graph) path a greedy round whose processors are a repetition penalty
+    and capture-safe ones runs as the one whole-round graph (eagerly on the CPU, the same code);
+    per-depth processors take the eager round. HF's output either way."""
+    from specsplit.config import EngineTuning, TargetConfig
+
+    target, draft = pair
+    ids = torch.tensor([PROMPT])
+    tuning = EngineTuning(graph_capacity=256)
+    cfg = SpecSplitConfig(tree=DRAFTERS["chain"][1], target=TargetConfig(cuda_graphs=True, tuning=tuning))
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        gen.generation_config = target.generation_config
+        for opts, one_graph in (
+            ({"repetition_penalty": 1.4, "suppress_tokens": [106, 192], "renormalize_logits": True}, True),
+            ({"repetition_penalty": 1.4, "no_repeat_ngram_size": 2}, False),
+        ):
+            before = set(gen.target_engine._rounds)
+            out = gen.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True, **opts)
+            assert torch.equal(out.sequences, _hf(target, ids, **opts)), opts
+            assert sum(out.spec_stats.accepted_counts()) > 0
+            new = set(gen.target_engine._rounds) - before
+            assert any(key[-1] is not None for key in new) == one_graph, (opts, new)

@@ -62,9 +62,12 @@ def unprocessed_joint(target) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-def empirical_joint(target, draft, tree: TreeConfig | None, processing: bool = True, runs: int = RUNS):
+def empirical_joint(
+    target, draft, tree: TreeConfig | None, processing: bool = True, runs: int = RUNS, on_draft: bool = False
+):
     """The first two committed tokens of ``runs`` seeded rounds through the real engines: a sampled
-    model tree (``tree``) or, with ``tree=None``, a fixed deterministic branching tree."""
+    model tree (``tree``; ``on_draft``: drawn from the draft's own processed distribution) or,
+    with ``tree=None``, a fixed deterministic branching tree."""
     draft_engine = DraftEngine(draft, DraftConfig(tuning=EngineTuning(q_top_k=V)))
     target_engine = TargetEngine(target)
     spec = LogitsProcessing({**OPTIONS, "max_length": 64}, len(PROMPT)) if processing else None
@@ -84,7 +87,8 @@ def empirical_joint(target, draft, tree: TreeConfig | None, processing: bool = T
         for _ in range(runs):
             s_draft, s_verify, s_next = torch.randint(0, 2**62, (3,), generator=g).tolist()
             if tree is not None:
-                req = DraftRequest("s", PROMPT, 0, tree, SAMPLING, s_draft, max_depth=2)
+                req = DraftRequest("s", PROMPT, 0, tree, SAMPLING, s_draft, max_depth=2,
+                                   processing=spec if on_draft else None)  # fmt: skip
                 tr = draft_engine.generate(req).tree
             else:
                 assert fixed is not None
@@ -110,13 +114,17 @@ def one_thread_here():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", ["chain", "fixed"], ids=["sampled-chain", "deterministic-tree"])
+@pytest.mark.parametrize(
+    "tree",
+    ["chain", "processed-chain", "fixed"],
+    ids=["sampled-chain", "processed-draft", "deterministic-tree"],
+)
 def test_processed_distribution_is_exact(pair, one_thread_here, tree: str) -> None:
     target, draft = pair
     exact = exact_joint(target)
     assert tv(exact, unprocessed_joint(target)) > 0.15  # the processors matter here
-    cfg = TreeConfig(shape="chain", num_draft_tokens=2) if tree == "chain" else None
-    emp = empirical_joint(target, draft, cfg)
+    cfg = TreeConfig(shape="chain", num_draft_tokens=2) if tree != "fixed" else None
+    emp = empirical_joint(target, draft, cfg, on_draft=tree == "processed-chain")
     assert tv(emp, exact) < 0.04, f"TV={tv(emp, exact):.4f}"
     assert tv(emp.sum(1), exact.sum(1)) < 0.02
 

@@ -25,6 +25,9 @@ from specsplit.core.tree_attention import ancestor_matrix
 
 # level(d, tokens [W], allowed [W, n]) -> logits [W, V]
 LevelForward = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# process(logits [W, V], paths [W, d]) -> scores [W, V]: reshapes the logits of W nodes whose
+# tokens below the committed context are `paths` (root first), e.g. HF logits processors.
+ScoreProcess = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ def grow_static_tree(
     q_top_k: int,
     gen: torch.Generator | None,
     level: LevelForward,
+    process: ScoreProcess | None = None,
 ) -> TokenTree:
     """Fill a fixed plan: greedy top-k children, or (sampling) children drawn without replacement.
 
@@ -82,6 +86,7 @@ def grow_static_tree(
         gen: RNG of the draws (sampling only).
         level: ``level(d, tokens [W], allowed [W, end])`` forwards the nodes of level ``d``
             (0-based; they sit at position ``context + d``) and returns their `[W, V]` logits.
+        process: applied to every level's logits (with each row's path) before ``sampling``.
     """
     dev = root_logits.device
     n = plan.num_nodes
@@ -91,7 +96,10 @@ def grow_static_tree(
     q_ids = torch.zeros(n, kq, dtype=torch.long, device=dev) if sampling.do_sample else None
     q_probs = torch.zeros(n, kq, dtype=torch.float32, device=dev) if sampling.do_sample else None
     parent_logits = root_logits[None]  # [P, V]
+    paths = torch.zeros(1, 0, dtype=torch.long, device=dev)  # [P, d] the parents' paths
     for d, (local, rank, _idx, start, end, kmax) in enumerate(pt.levels):
+        if process is not None:
+            parent_logits = process(parent_logits, paths)
         probs = logits_to_probs(parent_logits, sampling)  # [P, V]
         if q_ids is None or q_probs is None:
             vals, ids = torch.topk(probs, kmax, dim=-1)  # deterministic top-k expansion
@@ -113,6 +121,8 @@ def grow_static_tree(
         tokens[start:end] = tok
         if d + 1 < len(pt.levels):
             parent_logits = level(d, tok, pt.anc[start:end, :end])
+            if process is not None:
+                paths = torch.cat([paths[local], tok[:, None]], dim=1)
     return TokenTree(tokens, pt.parents, pt.depths, logq, q_ids, q_probs, plan.max_branch, plan.depth)
 
 
@@ -141,6 +151,7 @@ def grow_dynamic_tree(
     shape: DynamicShape,
     sampling: SamplingParams,
     level: LevelForward,
+    process: ScoreProcess | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2 style: expand the top-``width`` candidates of each level by cumulative draft
     log-probability, then keep the ``budget`` best nodes overall (always a valid tree, since a
@@ -150,15 +161,20 @@ def grow_dynamic_tree(
     Device ops only, with shapes fixed by ``shape``: the same code runs eagerly or captured as one
     graph. ``level(d, tokens [W], allowed [W, n])`` forwards the ``W`` frontier nodes at depth ``d``
     (``allowed``: their ancestors among the ``n`` nodes forwarded so far, this level last) and
-    returns their `[W, V]` logits.
+    returns their `[W, V]` logits. ``process`` (eager only: it may read the host) reshapes every
+    level's logits, given each row's path, before ``sampling``.
 
     Returns:
         ``(tokens, parents, depths, log_q)``, each `[min(budget, pool)]`, in BFS order.
     """
     dev = root_logits.device
     k = shape.topk
-    probs = logits_to_probs(root_logits[None], sampling)  # [1, V]
+    root = root_logits[None]
+    if process is not None:
+        root = process(root, torch.zeros(1, 0, dtype=torch.long, device=dev))
+    probs = logits_to_probs(root, sampling)  # [1, V]
     vals, ids = torch.topk(probs, k, dim=-1)
+    paths = ids[0][:, None]  # [level_len, d] the current level's paths (with process only)
     pool_tok = [ids[0]]
     pool_score = [vals[0].clamp_min(1e-30).log()]
     pool_logq = [pool_score[0]]
@@ -184,8 +200,13 @@ def grow_dynamic_tree(
         fw_slot[front] = torch.arange(n_fw, n_fw + width, device=dev)
         n_fw += width
         logits = level(d, torch.cat(pool_tok)[front], fw_anc[n_fw - width :])
+        if process is not None:
+            front_paths = paths[front - level_start]  # [W, d]
+            logits = process(logits, front_paths)
         probs = logits_to_probs(logits, sampling)  # [W, V]
         vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
+        if process is not None:
+            paths = torch.cat([front_paths.repeat_interleave(k, dim=0), ids.reshape(-1, 1)], dim=1)
         lq = vals.clamp_min(1e-30).log()
         pool_tok.append(ids.reshape(-1))
         pool_logq.append(lq.reshape(-1))

@@ -15,11 +15,19 @@ from dataclasses import astuple, dataclass
 import torch
 
 from specsplit.config import DraftConfig, TreeConfig
-from specsplit.core.growth import DynamicShape, PlanTensors, grow_dynamic_tree, grow_static_tree, main_path
+from specsplit.core.growth import (
+    DynamicShape,
+    PlanTensors,
+    ScoreProcess,
+    grow_dynamic_tree,
+    grow_static_tree,
+    main_path,
+)
 from specsplit.core.sampling import SamplingParams, derive_seed, make_generator
 from specsplit.core.tree import StaticTreePlan, TokenTree
 from specsplit.core.tree_attention import bool_mask_to_float
 from specsplit.engines.base import EngineBase, desync_error, initial_capacity
+from specsplit.engines.processing import TreeProcessors
 from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SessionNotFound
 from specsplit.messages import DraftRequest, DraftResult, WorkerStats
 from specsplit.runtime.graphs import GraphedRound, StaticForward, kv_bucket
@@ -39,6 +47,8 @@ class DraftCacheState:
     static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
     last_tree: TokenTree | None = None  # the tree drafted last (speculation extends its main path)
     spec_base: int | None = None  # length confirmed by the caller before a speculative extension
+    processors: TreeProcessors | None = None  # the generation's logits processors, if any
+    processors_key: str | None = None  # what they were built from ("" when they could not be)
 
     @property
     def cached_prompt_len(self) -> int:
@@ -145,6 +155,7 @@ class DraftEngine(EngineBase[DraftCacheState]):
             req.session_id, capacity, lambda: self._new_state(req.session_id, capacity)
         )
         with self._store.locked(req.session_id):
+            self._set_processors(state, req)
             assumed: list[int] = []
             if req.speculate:
                 root_logits, assumed = self._speculate(state, req, stats, capacity)
@@ -178,6 +189,27 @@ class DraftEngine(EngineBase[DraftCacheState]):
             cache_hit=hit and existed,
             assumed_token_ids=assumed,
         )
+
+    def _set_processors(self, state: DraftCacheState, req: DraftRequest) -> None:
+        """The session's processors for ``req.processing`` (built once per generation, with the
+        context the session holds; :meth:`_feed` appends to it)."""
+        spec = req.processing
+        if spec is None:
+            state.processors = state.processors_key = None
+            return
+        key = spec.to_json() + repr([id(p) for p in spec.processors])
+        if state.processors_key == key and req.prefix_length > 0:
+            return
+        state.processors_key, state.processors = key, None
+        try:
+            self.runner.check_token_ids(spec.prefix_token_ids, "processing prefix")
+            proc = TreeProcessors(self.runner.model, spec, self.device)
+        except InvalidRequest as e:
+            # Drafting without them only lowers acceptance; the target applies them exactly.
+            logger.warning("draft %s: logits processors not applied to drafts (%s)", req.session_id, e)
+            return
+        proc.history.write(proc.history.prefix_len, state.cached_prompt_ids)
+        state.processors = proc
 
     # ------------------------------------------------------------------ speculation (overlap)
     def _speculate(
@@ -249,6 +281,8 @@ class DraftEngine(EngineBase[DraftCacheState]):
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += len(todo)
         stats.forwards += 1
+        if state.processors is not None:
+            state.processors.history.write(state.processors.history.prefix_len + length, todo)
         state.cached_prompt_ids.extend(todo)
         state.cached_last_logits = logits
         return logits
@@ -278,19 +312,29 @@ class DraftEngine(EngineBase[DraftCacheState]):
     ) -> TokenTree:
         if depth <= 0:
             return TokenTree.empty(self.device)
+        committed = state.kv_cache.seq_len
+        sampling, process = req.sampling, None
+        proc = state.processors
+        if proc is not None:
+            length = proc.history.prefix_len + committed
+
+            def process(logits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
+                return proc.level_scores(logits, paths, length)
+
+            sampling = SamplingParams(do_sample=sampling.do_sample)  # the warpers run as processors
         if req.tree.shape == "dynamic":
-            return self._grow_dynamic(state, root_logits, req, depth, stats)
+            return self._grow_dynamic(state, root_logits, req, depth, stats, sampling, process)
         plan = req.tree.static_plan().truncated(depth)
         pt = self._plans.get(plan)
         if pt is None:
             pt = self._plans[plan] = PlanTensors.build(plan, self.device)
-        committed = state.kv_cache.seq_len
 
         def level(d: int, tokens: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
             positions = torch.full((tokens.shape[0],), committed + d, dtype=torch.long, device=self.device)
             return self._level_forward(state, tokens, allowed, positions, committed, stats)
 
-        return grow_static_tree(root_logits, plan, pt, req.sampling, self.config.tuning.q_top_k, gen, level)
+        q_top_k = self.config.tuning.q_top_k
+        return grow_static_tree(root_logits, plan, pt, sampling, q_top_k, gen, level, process)
 
     def _level_forward(
         self,
@@ -327,12 +371,14 @@ class DraftEngine(EngineBase[DraftCacheState]):
         req: DraftRequest,
         depth: int,
         stats: WorkerStats,
+        sampling: SamplingParams,
+        process: ScoreProcess | None,
     ) -> TokenTree:
         cfg: TreeConfig = req.tree
         committed = state.kv_cache.seq_len
         shape = DynamicShape(cfg.topk, cfg.width, cfg.budget, depth)
         t = time.perf_counter()
-        if state.static and self.config.tuning.graph_rounds and depth > 1:
+        if state.static and self.config.tuning.graph_rounds and depth > 1 and process is None:
             static = self._workspace.static
             end = committed + shape.forwarded
             if end > static.capacity:
@@ -340,9 +386,9 @@ class DraftEngine(EngineBase[DraftCacheState]):
                     f"a tree round needs {end} draft slots; the workspace holds {static.capacity}"
                 )
             bucket = kv_bucket(end, static.capacity)
-            key = (shape, astuple(req.sampling) if req.sampling.do_sample else (), bucket)
+            key = (shape, astuple(sampling) if sampling.do_sample else (), bucket)
             rnd = self._round_graph(
-                key, lambda: self._tree_round(static, shape, req.sampling, bucket, root_logits)
+                key, lambda: self._tree_round(static, shape, sampling, bucket, root_logits)
             )
             packed, logq = rnd(root_logits, committed)
             packed, logq = packed.clone(), logq.clone()  # the graph's outputs are reused next round
@@ -359,7 +405,7 @@ class DraftEngine(EngineBase[DraftCacheState]):
                 )
                 return self._level_forward(state, tokens, allowed, positions, committed, stats)
 
-            tok, parent, dep, logq = grow_dynamic_tree(root_logits, shape, req.sampling, level)
+            tok, parent, dep, logq = grow_dynamic_tree(root_logits, shape, sampling, level, process)
         return TokenTree(tok, parent, dep, logq, None, None, cfg.topk, depth)
 
     def _tree_round(

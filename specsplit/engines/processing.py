@@ -9,8 +9,11 @@ of the same length, so the tree is processed as one batch per depth level (HF pr
 row by row on ``[batch, length]`` inputs). Two kinds run once over all rows instead: processors that
 ignore the context (temperature, top-k/p, min-p, typical, epsilon, eta, suppressed tokens,
 renormalisation), and the repetition penalty, which depends only on the set of tokens in the
-context: every row gets a context of the same length holding its tokens in any order, padded by
-repeating a token it already holds, which leaves that set, and so the result, unchanged.
+context: a `[rows, vocab]` token mask (the history's tokens, kept incrementally, or'd with each
+row's path) and HF's own elementwise operations. A greedy round whose processors are only of these
+kinds (and capture-safe) still replays as one CUDA graph. A draft growing a tree applies the same
+list to each level it grows (:meth:`TreeProcessors.level_scores`): a level's rows all have contexts
+of one length, so the list runs on them as one batch.
 
 The processors are the ones ``generate()`` builds (``_get_logits_processor`` of the target model),
 so their semantics and order are HF's by construction. User processors must, like HF's own, depend
@@ -65,6 +68,9 @@ PLAIN_FIELDS = frozenset({"do_sample", "temperature", "top_k", "top_p", "eos_tok
                           "bos_token_id", "max_length"})  # fmt: skip
 # Processors that depend only on the set of tokens in the context (exact types: a subclass may not).
 _SET_BASED = (lp.RepetitionPenaltyLogitsProcessor,)
+# Context-free processors made of fixed-shape device ops only (no host read): a greedy round
+# that applies only these and repetition penalties still replays as one CUDA graph.
+_CAPTURE_SAFE = (lp.SuppressTokensLogitsProcessor, lp.LogitNormalization)
 # Processors whose result does not depend on the context (applied once to all rows).
 _CONTEXT_FREE = (
     lp.TemperatureLogitsWarper,
@@ -143,10 +149,11 @@ class TreeProcessors:
         self.key = spec.to_json()
         self.procs = build_processors(model, spec, device)
         # Consecutive processors of one kind grouped into stages: (kind, processors), kind "free"
-        # (no context), "set" (the context's token set) or "rows" (one batch per depth level).
+        # (no context), "penalty" (a repetition penalty over the whole context: a token mask),
+        # "set" (the context's token set) or "rows" (one batch per depth level).
         self.stages: list[tuple[str, list[Any]]] = []
         for proc in self.procs:
-            kind = "free" if type(proc) in _CONTEXT_FREE else "set" if type(proc) in _SET_BASED else "rows"
+            kind = _kind(proc)
             if self.stages and self.stages[-1][0] == kind:
                 self.stages[-1][1].append(proc)
             else:
@@ -154,6 +161,28 @@ class TreeProcessors:
         self.history = TokenHistory(spec.prefix_token_ids, device)
         # Only per-depth batches need the tree's depths on the host (a read of a device tree).
         self.needs_depths = any(kind == "rows" for kind, _ in self.stages)
+        self.context_free = all(kind == "free" for kind, _ in self.stages)
+        # Set when every stage is fixed-shape device work given the presence mask: the key of
+        # a whole-round graph that applies them (:func:`device_scores`); the options alone
+        # define the processors then, so sessions with equal options share the graph.
+        capturable = not spec.processors and all(
+            kind == "penalty" or (kind == "free" and all(type(p) in _CAPTURE_SAFE for p in procs))
+            for kind, procs in self.stages
+        )
+        self.graph_key = self.key if capturable else None
+        self._present: torch.Tensor | None = None  # [V] bool: tokens in the history (penalty stages)
+        self._present_len = 0
+
+    def presence(self, vocab: int, length: int) -> torch.Tensor:
+        """`[vocab]` bool: which tokens the first ``length`` tokens of the history hold. Updated
+        with the tokens added since the last call (the history only grows in a generation)."""
+        if self._present is None or self._present.shape[0] != vocab:
+            self._present = torch.zeros(vocab, dtype=torch.bool, device=self.history.buf.device)
+            self._present_len = 0
+        if length > self._present_len:
+            self._present.index_fill_(0, self.history.view(length)[self._present_len :], True)
+            self._present_len = length
+        return self._present
 
     def begin(self, cached: int, pending: list[int]) -> int:
         """Record a round's pending tokens after the ``cached`` tokens the target holds; returns the
@@ -165,6 +194,24 @@ class TreeProcessors:
     def commit(self, length: int, tokens: list[int]) -> None:
         """Record the accepted tokens after row 0's context of ``length`` tokens."""
         self.history.write(length, tokens)
+
+    def level_scores(self, logits: torch.Tensor, paths: torch.Tensor, length: int) -> torch.Tensor:
+        """`[W, V]` float32 processed scores of ``W`` nodes at one depth of a tree being grown: each
+        row's context is the first ``length`` tokens of the history followed by its path.
+
+        All rows of a level have contexts of one length, so the whole list runs as one batch.
+
+        Args:
+            logits: `[W, V]` the model's logits of the nodes (or of the context row: ``paths``
+                `[1, 0]`).
+            paths: `[W, d]` each row's tokens below the context, root first.
+            length: the context's length in the history.
+        """
+        x = logits.to(torch.float32, copy=True)
+        if self.context_free:
+            return _apply(self.procs, None, x)
+        hist = self.history.view(length)[None].expand(x.shape[0], length)
+        return _apply(self.procs, torch.cat([hist, paths], dim=1), x)
 
     def scores(
         self, logits: torch.Tensor, tree: TokenTree, host_depths: list[int], length: int
@@ -179,16 +226,19 @@ class TreeProcessors:
             length: row 0's context length (:meth:`begin`).
         """
         x = logits.to(torch.float32, copy=True)  # processors may work in place; the logits stay raw
-        if all(kind == "free" for kind, _ in self.stages):
+        if self.context_free:
             for _, procs in self.stages:
                 x = _apply(procs, None, x)
             return x
         hist = self.history.view(length)
         levels: list[tuple[int, torch.Tensor]] | None = None
-        path = sets = None
+        path = sets = mask = None
         for kind, procs in self.stages:
             if kind == "free":
                 x = _apply(procs, None, x)
+            elif kind == "penalty":
+                mask = mask if mask is not None else _penalty_mask(self.presence(x.shape[-1], length), tree)
+                x = _penalise(procs, mask, x)
             elif kind == "set":
                 sets = sets if sets is not None else _set_contexts(hist, tree)
                 x = _apply(procs, sets, x)
@@ -204,6 +254,51 @@ class TreeProcessors:
                     out.index_copy_(0, rows, _apply(procs, ctx, x.index_select(0, rows)))
                 x = out
         return x
+
+
+def device_scores(
+    stages: list[tuple[str, list[Any]]], logits: torch.Tensor, tree: TokenTree, present: torch.Tensor
+) -> torch.Tensor:
+    """:meth:`TreeProcessors.scores` for the stages of processors with a ``graph_key``: fixed-shape
+    device ops only, so a whole round can be captured as one graph (``present``:
+    :meth:`TreeProcessors.presence`)."""
+    x = logits.to(torch.float32, copy=True)
+    mask = None
+    for kind, procs in stages:
+        if kind == "penalty":
+            mask = mask if mask is not None else _penalty_mask(present, tree)
+            x = _penalise(procs, mask, x)
+        else:
+            x = _apply(procs, None, x)
+    return x
+
+
+def _kind(proc: Any) -> str:
+    if type(proc) in _CONTEXT_FREE:
+        return "free"
+    if type(proc) in _SET_BASED:
+        # HF's penalty cuts `prompt_ignore_length` tokens off the context: the generic set path.
+        return "set" if getattr(proc, "prompt_ignore_length", None) else "penalty"
+    return "rows"
+
+
+def _penalty_mask(present: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+    """`[N + 1, V]` bool: the tokens in each row's context (the history's, plus the row's path);
+    fixed-shape device ops only."""
+    n, vocab = tree.num_nodes, present.shape[0]
+    if n == 0:
+        return present[None]
+    anc = ancestor_matrix(tree.parents)  # [N, N] j is i or an ancestor of i
+    cols = torch.where(anc, tree.token_ids[None, :], vocab)  # others: a spare column, dropped
+    paths = torch.zeros(n, vocab + 1, dtype=torch.bool, device=present.device).scatter_(1, cols, True)
+    return torch.cat([present[None], paths[:, :vocab] | present[None]], dim=0)
+
+
+def _penalise(procs: list[Any], mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """HF's repetition penalty on the masked tokens (the same elementwise operations)."""
+    for proc in procs:
+        x = torch.where(mask, torch.where(x < 0, x * proc.penalty, x / proc.penalty), x)
+    return x
 
 
 def _set_contexts(hist: torch.Tensor, tree: TokenTree) -> torch.Tensor:

@@ -36,6 +36,7 @@ from specsplit.core.verification import (
     verify_sampled_matching,
     verify_stochastic,
 )
+from specsplit.engines.processing import device_scores
 from specsplit.engines.specpv import PartialVerifier
 from specsplit.errors import ConfigError, ResourceExhausted
 from specsplit.messages import VerifyResult, WorkerStats
@@ -44,6 +45,7 @@ from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.runtime.runner import h2d
 
 if TYPE_CHECKING:
+    from specsplit.engines.processing import TreeProcessors
     from specsplit.engines.target import KVCacheState, TargetEngine
 
 
@@ -162,10 +164,10 @@ class FullVerifier:
             and eng.config.tuning.graph_rounds
             and not sampling.do_sample
             and cache.single_buffer
-            and proc is None
+            and (proc is None or proc.graph_key is not None)
             and not any(returns)
         ):
-            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats)
+            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats, proc)
         # Per-depth processors group rows on the host (for a device tree, a read of its depths).
         host_depths = tree.depths.tolist() if proc is not None and proc.needs_depths else []
         tree = tree.to(eng.device)
@@ -212,9 +214,11 @@ class FullVerifier:
         max_branch: int,
         max_depth: int,
         stats: WorkerStats,
+        proc: TreeProcessors | None = None,
     ) -> VerifyResult:
-        """A greedy round (mask, forward, acceptance, KV commit) replayed as one graph
-        (``TargetConfig.graph_rounds``); the same tensor functions as the eager path."""
+        """A greedy round (mask, forward, processors with a graph key, acceptance, KV commit)
+        replayed as one graph (``TargetConfig.graph_rounds``); the same tensor functions as the
+        eager path."""
         eng = self.engine
         static = eng._workspace.static
         length, n = cache.seq_len, tree.num_nodes
@@ -223,18 +227,27 @@ class FullVerifier:
             raise ResourceExhausted(
                 f"a verify round needs {end} slots; the workspace holds {static.capacity}"
             )
-        key = (n, max_depth, max_branch, kv_bucket(end, static.capacity))
+        bucket = kv_bucket(end, static.capacity)
+        key = (n, max_depth, max_branch, bucket, None if proc is None else proc.graph_key)
         t = time.perf_counter()
         rnd = eng._round_graph(
-            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, key[3])
+            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, bucket, proc)
         )
         forwards = eng.runner.forward_count
-        path, count, nxt = rnd(pending[0], tree.token_ids, tree.parents, tree.depths, length)
+        device_args: tuple[torch.Tensor, ...] = ()
+        if proc is not None:
+            ctx_len = proc.begin(length, pending)
+            device_args = (proc.presence(eng.runner.vocab_size, ctx_len),)
+        path, count, nxt = rnd(
+            pending[0], tree.token_ids, tree.parents, tree.depths, length, device_args=device_args
+        )
         if rnd.graph is not None:  # a replay (after a capture that ran the body 3 times): one forward
             eng.runner.forward_count = forwards + 1
         nodes, tokens, next_token = VerifyOutcome(path, count, nxt).to_host(rnd.inputs[1])  # the one sync
         m = len(nodes)
         cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one
+        if proc is not None:
+            proc.commit(ctx_len, tokens)
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += 1 + n
         stats.forwards += 1
@@ -248,17 +261,26 @@ class FullVerifier:
         max_depth: int,
         max_branch: int,
         bucket: int,
+        proc: TreeProcessors | None = None,
     ) -> GraphedRound:
         buf = static.new_buffers(1 + n, bucket)
         dev = self.engine.device
         steps = torch.arange(max_depth, device=dev)
+        stages = None if proc is None else proc.stages
 
         def body(
-            pend: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, ctx: torch.Tensor
+            pend: torch.Tensor,
+            tok: torch.Tensor,
+            par: torch.Tensor,
+            dep: torch.Tensor,
+            ctx: torch.Tensor,
+            *present: torch.Tensor,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             pos, block = one_pending_layout(par, dep, ctx)
             logits = static.forward_at(buf, torch.cat([pend, tok]), pos, ctx, block)
             tree = TokenTree(tok, par, dep, torch.zeros(n, device=dev))
+            if stages is not None:  # processors with a graph key: the same for every session using it
+                logits = device_scores(stages, logits, tree, present[0])
             outcome = verify_greedy(logits, tree, max_depth, max_branch)
             if max_depth:  # the accepted nodes' slots follow the pending token's (padding: beyond)
                 cache.move_slots(ctx + 1 + outcome.path.clamp_min(0), ctx + 1 + steps)
@@ -266,7 +288,10 @@ class FullVerifier:
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)
         ctx = torch.zeros((), dtype=torch.long)
-        return GraphedRound(static, body, [torch.zeros(1, dtype=torch.long), empty, empty, empty, ctx])
+        present = [torch.zeros(self.engine.runner.vocab_size, dtype=torch.bool, device=dev)] if proc else []
+        return GraphedRound(
+            static, body, [torch.zeros(1, dtype=torch.long), empty, empty, empty, ctx], present
+        )
 
 
 class SpecPVVerifier:

@@ -217,7 +217,7 @@ class _Generation:
         # speculation.
         sampling = self.params.sampling if self.mode == "model" else SamplingParams()
         req = DraftRequest(self.sid, self.draft_new, self.draft_prefix, self.params.tree, sampling,
-                           self.seeds[0], None, self.capacity)  # fmt: skip
+                           self.seeds[0], None, self.capacity, processing=self.params.draft_processing)  # fmt: skip
         dres: DraftResult | None = None
         try:
             dres = _with_recovery(self.transport.draft, req, self._full_context, self.stats)

@@ -128,7 +128,8 @@ def speculate(
     Any failure only costs the speculation: the next round drafts from the committed context.
     """
     t = time.perf_counter()
-    req = DraftRequest(sid, [], prefix, params.tree, params.sampling, seed, budget, capacity, speculate=True)
+    req = DraftRequest(sid, [], prefix, params.tree, params.sampling, seed, budget, capacity, speculate=True,
+                       processing=params.draft_processing)  # fmt: skip
     try:
         res: DraftResult | None = transport.draft(req)
     except (TransportError, CacheDesyncError, SessionNotFound) as e:

@@ -40,6 +40,7 @@ class DecodeParams:
     ngram: NgramDrafter | None = None  # n-gram settings and suffix cache, kept across calls by the caller
     cost: CostModel | None = None  # the round planner, kept across calls by the caller; None: a fresh one
     processing: LogitsProcessing | None = None  # HF logits processors the target applies to every row
+    draft_processing: LogitsProcessing | None = None  # what the draft applies to its own q (acceptance)
     return_scores: bool = False  # collect the processed scores of every committed token
     return_logits: bool = False  # collect the raw logits of every committed token
     stopping_criteria: list[Any] = field(default_factory=list)  # HF StoppingCriteria, checked per token

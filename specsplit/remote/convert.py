@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -287,6 +287,8 @@ def draft_request_to_proto(r: DraftRequest) -> pb.DraftRequest:
         speculate=r.speculate,
         tree_channel=getattr(r, "tree_channel", ""),
         tree_slot=getattr(r, "tree_slot", 0),
+        # Custom processors stay where the loop runs; the options alone still steer the drafts.
+        processing=processing_to_wire(replace(r.processing, processors=[]) if r.processing else None),
         **kwargs,
     )
 
@@ -306,6 +308,7 @@ def draft_request_from_proto(m: pb.DraftRequest) -> DraftRequest:
         max_depth=m.max_depth if m.HasField("max_depth") else None,
         capacity_hint=m.capacity_hint,
         speculate=m.speculate,
+        processing=processing_from_wire(m.processing),
         **fields,
     )
 

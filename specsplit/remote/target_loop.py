@@ -26,6 +26,7 @@ import torch
 from specsplit.config import DRAFTERS, NgramConfig
 from specsplit.engines.cost_model import CostModels
 from specsplit.engines.drafters import NgramDrafter
+from specsplit.engines.processing import needs_processing
 from specsplit.errors import ConfigError, InvalidRequest, ResourceExhausted, SpecSplitError, TransportError
 from specsplit.messages import (
     DraftRequest,
@@ -302,4 +303,7 @@ def decode_params(
             drafting.padded,
         ),
         processing=req.processing,
+        draft_processing=req.processing
+        if req.processing and needs_processing(req.processing.options)
+        else None,
     )

@@ -306,11 +306,21 @@ class GraphedRound:
     input shapes (a whole tree-growth round: several forwards through :meth:`StaticForward.forward_at`
     and the selection between them). Without graphs (CPU, ``use_graphs=False``) it runs eagerly on
     the same buffers. The returned tensors are the graph's own: valid until the next call.
+
+    ``device_inputs``: further inputs that callers pass as device tensors (keyword ``device_args``
+    of a call, copied device to device); ``fn`` receives them after ``inputs``.
     """
 
-    def __init__(self, static: StaticForward, fn: Callable[..., Any], inputs: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        static: StaticForward,
+        fn: Callable[..., Any],
+        inputs: Sequence[torch.Tensor],
+        device_inputs: Sequence[torch.Tensor] = (),
+    ):
         self.static = static
         self.fn = fn
+        self.device_inputs = [torch.empty_like(x, device=static.device) for x in device_inputs]
         # All-int64 inputs on a GPU live in ONE device buffer with a pinned host twin: a call with
         # host arguments (a tree that came over gRPC) is then one copy, not one per input plus a
         # fill kernel per int, and each pageable copy costs host time before the launch.
@@ -351,17 +361,21 @@ class GraphedRound:
         return True
 
     @torch.inference_mode()
-    def __call__(self, *args: torch.Tensor | int) -> Any:
-        if len(args) != len(self.inputs):
-            raise ValueError(f"expected {len(self.inputs)} inputs, got {len(args)}")
+    def __call__(self, *args: torch.Tensor | int, device_args: Sequence[torch.Tensor] = ()) -> Any:
+        if len(args) != len(self.inputs) or len(device_args) != len(self.device_inputs):
+            raise ValueError(
+                f"expected {len(self.inputs)} + {len(self.device_inputs)} inputs, got {len(args)} + {len(device_args)}"
+            )
         if not self._stage_host(args):
             for buf, x in zip(self.inputs, args, strict=True):
                 if isinstance(x, torch.Tensor):
                     buf.copy_(x, non_blocking=True)
                 else:
                     buf.fill_(x)
+        for buf, x in zip(self.device_inputs, device_args, strict=True):
+            buf.copy_(x, non_blocking=True)
         if not self.static.use_graphs:
-            return self.fn(*self.inputs)
+            return self.fn(*self.inputs, *self.device_inputs)
         if self.graph is None:
             with CAPTURE_LOCK, torch.cuda.device(self.static.device):  # see specsplit.core.pinned
                 self._capture()
@@ -377,11 +391,11 @@ class GraphedRound:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.fn(*self.inputs)
+                self.fn(*self.inputs, *self.device_inputs)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.static.pool, stream=stream, capture_error_mode="thread_local"):
-            self.outputs = self.fn(*self.inputs)
+            self.outputs = self.fn(*self.inputs, *self.device_inputs)
         self.graph = graph
         self.static.captures += 1
         logger.info("captured a CUDA graph for a whole round (%d inputs)", len(self.inputs))

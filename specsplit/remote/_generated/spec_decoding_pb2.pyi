@@ -113,7 +113,7 @@ class Telemetry(_message.Message):
     def __init__(self, wall_time_s: _Optional[float] = ..., model_time_s: _Optional[float] = ..., tokens_processed: _Optional[int] = ..., forwards: _Optional[int] = ..., device: _Optional[str] = ..., server_time_s: _Optional[float] = ..., verify_mode: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "new_token_ids", "prefix_length", "tree", "sampling", "seed", "max_depth", "capacity_hint", "speculate", "tree_channel", "tree_slot")
+    __slots__ = ("session_id", "new_token_ids", "prefix_length", "tree", "sampling", "seed", "max_depth", "capacity_hint", "speculate", "tree_channel", "tree_slot", "processing")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class DraftRequest(_message.Message):
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
     TREE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     TREE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    PROCESSING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_length: int
@@ -136,7 +137,8 @@ class DraftRequest(_message.Message):
     speculate: bool
     tree_channel: str
     tree_slot: int
-    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_depth: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., speculate: _Optional[bool] = ..., tree_channel: _Optional[str] = ..., tree_slot: _Optional[int] = ...) -> None: ...
+    processing: str
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., tree: _Optional[_Union[TreeSpec, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_depth: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., speculate: _Optional[bool] = ..., tree_channel: _Optional[str] = ..., tree_slot: _Optional[int] = ..., processing: _Optional[str] = ...) -> None: ...
 
 class TreeSlotRef(_message.Message):
     __slots__ = ("channel_id", "slot", "num_nodes", "max_branch", "depth_bound")
