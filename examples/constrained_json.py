@@ -100,10 +100,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=220)
     ap.add_argument("--cuda-graphs", action="store_true", help="SpecSplit's CUDA-graph path (a GPU)")
     ap.add_argument("--warmup", action="store_true", help="one untimed run of each side first")
+    ap.add_argument(
+        "--dtype", default=None, help="weights' dtype (float32: token-exact against HF on any device)"
+    )
     args = ap.parse_args()
 
     cfg = SpecSplitConfig(drafter=args.drafter)
     cfg.target.cuda_graphs = cfg.draft.cuda_graphs = args.cuda_graphs
+    if args.dtype:
+        cfg.target.dtype = cfg.draft.dtype = args.dtype
     gen = SpecSplitGenerator.from_pretrained(target=args.target, draft=args.draft, config=cfg)
     tok, model = gen.tokenizer, gen.target_engine.runner.model if gen.target_engine else None
     messages = [{"role": "user", "content": args.prompt}]
