@@ -13,8 +13,8 @@ its share of the round is that time over the round time of the un-instrumented p
     python benchmarks/processors_cost.py --micro --device cuda:0   # the scoring step alone, by tree size
 
 ``--micro`` times, with CUDA events over many repetitions, what turns a verified tree's logits into
-the distribution verification uses: SpecSplit's own sampling transform (temperature, top-k, top-p)
-against the HF processor pass with the repetition penalty (processors, warpers, softmax), for trees
+the distribution verification uses: SpecSplit's own sampling transform (temperature, top-k, top-p;
+the fast one verification runs, and the full-vocabulary sort it replaces) against the HF processor pass with the repetition penalty (processors, warpers, softmax), for trees
 of several sizes over a Qwen2.5-sized vocabulary (the weights do not matter: a one-layer model of
 that vocabulary supplies the processor list).
 """
@@ -22,6 +22,7 @@ that vocabulary supplies the processor list).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import platform
 import statistics
@@ -116,7 +117,8 @@ def _run_all(gen: Any, prompts: list[list[int]], kw: dict[str, Any], seed: int) 
             "round_ms": 1e3 * round_s / max(rounds, 1), "tokens_per_round": tokens / max(rounds, 1)}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _load(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]], str, int, bool]:
+    """``(target, draft or None, prompts, device, max_new_tokens, cuda_graphs)``."""
     from specsplit.bench.run import load_prompts, tokenize_prompts
 
     if args.smoke:
@@ -136,6 +138,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenize_prompts(bench, load_tokenizer(args.target))
         prompts = [p.input_ids for p in bench]
         device, max_new, graphs = args.device, args.max_new_tokens, True
+    return target, draft, prompts, device, max_new, graphs
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    target, draft, prompts, device, max_new, graphs = _load(args)
     dev = torch.device(device)
     rows: dict[str, Any] = {}
     for name, (drafter, opts, on_draft) in CONFIGS.items():
@@ -164,11 +171,73 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "draft": args.draft, "cuda_graphs": graphs}  # fmt: skip
 
 
+class _FullSortTransform:
+    """Within the block, verification and drafting use the full-vocabulary sampling transform
+    (:func:`~specsplit.core.sampling.logits_to_probs`) instead of the fast top-k + top-p one."""
+
+    def __enter__(self) -> _FullSortTransform:
+        from specsplit.core import growth
+        from specsplit.core.sampling import logits_to_probs
+        from specsplit.engines import verifiers
+
+        self.mods = (growth, verifiers)
+        self.orig = [m.fast_probs for m in self.mods]
+        for m in self.mods:
+            m.fast_probs = lambda logits, params: (logits_to_probs(logits, params), None)  # type: ignore[attr-defined]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m, f in zip(self.mods, self.orig, strict=True):
+            m.fast_probs = f  # type: ignore[attr-defined]
+
+
+def transform_ab(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's sampling defaults (no penalty: SpecSplit's own transform decides) with the fast
+    top-k + top-p transform and with the full-vocabulary sort, side by side per configuration."""
+    target, draft, prompts, device, max_new, graphs = _load(args)
+    rows: dict[str, Any] = {}
+    for drafter in ("none", "ngram", "model"):
+        if drafter == "model" and draft is None:
+            continue
+        kw = {"max_new_tokens": max_new, **SAMPLING, "repetition_penalty": 1.0}
+        with _generator(target, draft, drafter, device, graphs, True) as gen:
+            _run_all(gen, prompts, kw, args.seed)  # untimed: captures, compiles, warms caches
+            for transform in ("fast", "full sort"):
+                with _FullSortTransform() if transform == "full sort" else contextlib.nullcontext():
+                    row = _run_all(gen, prompts, kw, args.seed)
+                name = f"{'target-only' if drafter == 'none' else drafter}, sampling, {transform}"
+                rows[name] = row
+                print(f"{name:34s} {row['tok_per_s']:8.1f} tok/s  {row['round_ms']:7.2f} ms/round  "
+                      f"{row['tokens_per_round']:5.2f} tok/round", flush=True)  # fmt: skip
+    return {"configs": rows, "prompts": len(prompts), "max_new_tokens": max_new, "target": args.target,
+            "draft": args.draft, "cuda_graphs": graphs}  # fmt: skip
+
+
+def _ab_table(res: dict[str, Any]) -> str:
+    lines = [
+        f"# The sampling transform, fast against full-vocabulary sort: {res['device']}, {res['target']}",
+        "",
+        f"`{res['command']}` ({res['date']}; torch {res['torch']}; {res['prompts']} prompts x "
+        f"{res['max_new_tokens']} new tokens, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; "
+        "sampling T 0.7, top-p 0.8, top-k 20)",
+        "",
+        "| configuration | tok/s | ms / round | tokens / round | tok/s vs full sort |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    cfgs = res["configs"]
+    for name, r in cfgs.items():
+        base = cfgs.get(name.replace(", fast", ", full sort"))
+        ratio = f"{r['tok_per_s'] / base['tok_per_s']:.3f}x" if base is not None and base is not r else "-"
+        lines.append(f"| {name} | {r['tok_per_s']:.1f} | {r['round_ms']:.2f} | {r['tokens_per_round']:.2f} | "
+                     f"{ratio} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def micro(args: argparse.Namespace) -> dict[str, Any]:
     """The scoring step alone: SpecSplit's transform vs the HF processor pass, per tree size."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from specsplit.core.sampling import SamplingParams, logits_to_probs
+    from specsplit.core.sampling import SamplingParams, fast_probs, logits_to_probs
     from specsplit.core.tree import TokenTree
     from specsplit.engines.processing import TreeProcessors
     from specsplit.messages import LogitsProcessing
@@ -194,12 +263,15 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
         length = proc.begin(0, torch.randint(0, vocab, (context,), generator=g).tolist())
         logits = (torch.randn(nodes + 1, vocab, generator=g) * 3).to(dev, torch.bfloat16)
 
-        ours = functools.partial(logits_to_probs, logits, sampling)
+        ours = functools.partial(fast_probs, logits, sampling)
+        exact = functools.partial(logits_to_probs, logits, sampling)
         theirs = functools.partial(_processed_probs, proc, logits, tree, depths, length)
         rows.append({"nodes": nodes, "context": context, "specsplit_ms": _time_ms(ours, dev),
+                     "specsplit_full_sort_ms": _time_ms(exact, dev),
                      "hf_processors_ms": _time_ms(theirs, dev)})  # fmt: skip
         r = rows[-1]
-        print(f"{nodes:3d} nodes, context {context:5d}: ours {r['specsplit_ms']:.3f} ms, "
+        print(f"{nodes:3d} nodes, context {context:5d}: ours {r['specsplit_ms']:.3f} ms "
+              f"(full-vocabulary sort {r['specsplit_full_sort_ms']:.3f}), "
               f"HF processors {r['hf_processors_ms']:.3f} ms", flush=True)  # fmt: skip
     return {"micro": rows, "vocab": vocab, "options": options}
 
@@ -235,12 +307,14 @@ def _micro_table(res: dict[str, Any]) -> str:
         f"`{res['command']}` ({res['date']}; torch {res['torch']}; vocab {res['vocab']}; "
         f"options {res['options']})",
         "",
-        "| tree nodes | context | SpecSplit's transform ms | HF processor pass ms | extra ms |",
-        "|---:|---:|---:|---:|---:|",
+        "| tree nodes | context | SpecSplit's transform ms | its full-vocabulary sort ms | HF processor pass ms "
+        "| extra ms |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["micro"]:
-        lines.append(f"| {r['nodes']} | {r['context']} | {r['specsplit_ms']:.3f} | {r['hf_processors_ms']:.3f} | "
-                     f"{r['hf_processors_ms'] - r['specsplit_ms']:+.3f} |")  # fmt: skip
+        full = f"{r['specsplit_full_sort_ms']:.3f}" if "specsplit_full_sort_ms" in r else "-"
+        lines.append(f"| {r['nodes']} | {r['context']} | {r['specsplit_ms']:.3f} | {full} | "
+                     f"{r['hf_processors_ms']:.3f} | {r['hf_processors_ms'] - r['specsplit_ms']:+.3f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -321,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU")
     ap.add_argument("--micro", action="store_true", help="time the scoring step alone, by tree size")
+    ap.add_argument("--transform-ab", action="store_true",
+                    help="sampling defaults without a penalty: the fast transform against the full sort")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
@@ -332,11 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         print(write_result(res, args.out, "processors_micro" + (f"-{args.tag}" if args.tag else ""),
                            _micro_table, _no_plot))  # fmt: skip
         return 0
-    result = run(args)
+    result = transform_ab(args) if args.transform_ab else run(args)
     cuda = not args.smoke and args.device.startswith("cuda")
     result.update(command="python benchmarks/processors_cost.py " + " ".join(argv), date=str(date.today()),
                   device=torch.cuda.get_device_name(args.device) if cuda else platform.processor() or "cpu",
                   torch=torch.__version__)  # fmt: skip
+    if args.transform_ab:
+        name = "sampling_transform" + (f"-{args.tag}" if args.tag else "")
+        print(write_result(result, args.out, name, _ab_table, _no_plot))
+        return 0
     name = "processors_cost" + (f"-{args.tag}" if args.tag else "")
     print(write_result(result, args.out, name, _table, write_plot))
     return 0

@@ -16,6 +16,8 @@ python3 -m pytest -q tests/test_gpu.py 2>&1 | tail -25 > "$OUT/gpu_tests-$TAG-$D
 python3 benchmarks/processors_cost.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 \
   --prompts-per-category 2 --max-new-tokens 128 --tag "$TAG" --out "$OUT"
 python3 benchmarks/processors_cost.py --micro --device cuda:0 --tag "$TAG" --out "$OUT"
+python3 benchmarks/processors_cost.py --transform-ab --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+  --device cuda:0 --prompts-per-category 2 --max-new-tokens 128 --tag "$TAG" --out "$OUT"
 for dtype in bfloat16 float32; do  # float32: token-exact against HF generate(); bf16 may differ at near-ties
   for drafter in ngram model; do
     extra=()

@@ -13,14 +13,22 @@ from transformers.generation.logits_process import (
 
 from specsplit import TokenTree
 from specsplit.config import SamplingParams
-from specsplit.core.sampling import logits_to_probs, sample, sample_without_replacement, truncate_top_k
+from specsplit.core.sampling import (
+    fast_probs,
+    logits_to_probs,
+    sample,
+    sample_without_replacement,
+    truncate_top_k,
+)
 from specsplit.core.verification import children_table, verify_greedy, verify_stochastic
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize(
-    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)]
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9), (0.7, 20, 0.8)],
 )
-def test_logits_to_probs_matches_hf_warpers(temperature, top_k, top_p):
+def test_logits_to_probs_matches_hf_warpers(temperature, top_k, top_p, fast):
     torch.manual_seed(0)
     logits = torch.randn(4, 300) * 3
     procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
@@ -29,10 +37,36 @@ def test_logits_to_probs_matches_hf_warpers(temperature, top_k, top_p):
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
     ref = torch.softmax(procs(None, logits.clone()), dim=-1)
-    ours = logits_to_probs(
-        logits, SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
-    )
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    if fast:
+        ours, overflow = fast_probs(logits, params)
+        assert (overflow is not None) == bool(top_k and top_p < 1.0)  # the fast path ran where it applies
+        assert overflow is None or overflow.item() == 0
+    else:
+        ours = logits_to_probs(logits, params)
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_fast_top_k_top_p_flags_ties_beyond_its_candidates_and_the_round_is_redone_exactly():
+    """More tokens tying the k-th logit than the fast path holds: the flag is set, and a round
+    decided through decide_to_host then equals the exact transform's decision."""
+    from specsplit.core.sampling import TIE_SLACK
+    from specsplit.engines.verifiers import decide, decide_to_host
+
+    params = SamplingParams(do_sample=True, top_k=10, top_p=0.999)
+    logits = torch.zeros(1, 400)
+    logits[0, :5] = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0])  # 395 tokens tie the 10th value (0.0)
+    probs, overflow = fast_probs(logits, params)
+    assert overflow is not None and overflow.item() == 1
+    exact = logits_to_probs(logits, params)
+    assert (exact > 0).sum() > 10 + TIE_SLACK >= (probs > 0).sum()  # the fast path alone is off here
+    tree = _tree([], [])
+    for seed in range(10):  # without the redo, most of these seeds pick another token
+        outcome, (_, _, nxt) = decide_to_host(logits, tree, params, seed, 7, 0, 0)
+        ref = decide(logits, tree, params, seed, 7, 0, 0, exact_probs=True)
+        assert nxt == int(ref.next_token)
+    no_tie = torch.randn(3, 400)
+    assert fast_probs(no_tie, params)[1].item() == 0
 
 
 def test_sampling_helpers():

@@ -16,7 +16,7 @@ import torch
 from specsplit.core.pinned import to_device
 from specsplit.core.sampling import (
     SamplingParams,
-    logits_to_probs,
+    fast_probs,
     sample_without_replacement,
     truncate_top_k,
 )
@@ -28,6 +28,13 @@ LevelForward = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # process(logits [W, V], paths [W, d]) -> scores [W, V]: reshapes the logits of W nodes whose
 # tokens below the committed context are `paths` (root first), e.g. HF logits processors.
 ScoreProcess = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The draft's distribution: the fast top-k + top-p transform as it comes (a draft may draw from
+    any distribution as long as its ``q`` is the one it drew from, so its rare tie overflow needs
+    no redo)."""
+    return fast_probs(logits, sampling)[0]
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def grow_static_tree(
     for d, (local, rank, _idx, start, end, kmax) in enumerate(pt.levels):
         if process is not None:
             parent_logits = process(parent_logits, paths)
-        probs = logits_to_probs(parent_logits, sampling)  # [P, V]
+        probs = _probs(parent_logits, sampling)  # [P, V]
         if q_ids is None or q_probs is None:
             vals, ids = torch.topk(probs, kmax, dim=-1)  # deterministic top-k expansion
             tok = ids[local, rank]
@@ -172,7 +179,7 @@ def grow_dynamic_tree(
     root = root_logits[None]
     if process is not None:
         root = process(root, torch.zeros(1, 0, dtype=torch.long, device=dev))
-    probs = logits_to_probs(root, sampling)  # [1, V]
+    probs = _probs(root, sampling)  # [1, V]
     vals, ids = torch.topk(probs, k, dim=-1)
     paths = ids[0][:, None]  # [level_len, d] the current level's paths (with process only)
     pool_tok = [ids[0]]
@@ -203,7 +210,7 @@ def grow_dynamic_tree(
         if process is not None:
             front_paths = paths[front - level_start]  # [W, d]
             logits = process(logits, front_paths)
-        probs = logits_to_probs(logits, sampling)  # [W, V]
+        probs = _probs(logits, sampling)  # [W, V]
         vals, ids = torch.topk(probs, k, dim=-1)  # [W, K]
         if process is not None:
             paths = torch.cat([front_paths.repeat_interleave(k, dim=0), ids.reshape(-1, 1)], dim=1)

@@ -67,6 +67,41 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(x, dim=-1)
 
 
+# Candidates beyond top_k that the fast top-k + top-p path keeps for tokens tying the k-th value.
+TIE_SLACK = 64
+
+
+def fast_probs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logits_to_probs` without sorting the whole vocabulary when top-k and top-p are both
+    on: top-p runs over the ``top_k + TIE_SLACK`` best candidates, which hold every token the top-k
+    filter keeps unless more than ``TIE_SLACK`` further tokens tie the k-th value exactly.
+
+    Returns:
+        ``(probs, overflow)``: ``overflow`` is a `[1]` int64 device flag, 1 when a row's ties may
+        reach past the candidates (then only :func:`logits_to_probs` is exact; read it with the
+        round's host read and redo), or None when the exact transform ran.
+    """
+    vocab = logits.shape[-1]
+    k = params.top_k
+    if not (params.do_sample and k and params.top_p < 1.0 and k + TIE_SLACK < vocab):
+        return logits_to_probs(logits, params), None
+    x = logits.float()
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    neg = torch.finfo(x.dtype).min
+    vals, ids = torch.topk(x, k + TIE_SLACK, dim=-1)  # descending
+    kth = vals[..., k - 1 : k]
+    vals = vals.masked_fill(vals < kth, neg)  # HF's top-k: ties with the k-th value stay
+    # Top-p as in logits_to_probs, ascending; the tokens outside the candidates hold no mass.
+    asc = vals.flip(-1)
+    drop = torch.softmax(asc, dim=-1).cumsum(dim=-1) <= (1.0 - params.top_p)
+    drop[..., -1] = False
+    kept = asc.masked_fill(drop, neg).flip(-1)
+    probs = torch.zeros_like(x).scatter_(-1, ids, torch.softmax(kept, dim=-1))
+    overflow = ((vals[..., -1:] >= kth) & (kth > neg)).any().long().view(1)
+    return probs, overflow
+
+
 def exponential_noise(
     shape: torch.Size | tuple[int, ...], device: torch.device, generator: torch.Generator | None
 ) -> torch.Tensor:

@@ -36,6 +36,7 @@ class VerifyOutcome:
     num_accepted: torch.Tensor  # [] int64
     next_token: torch.Tensor  # [] int64
     extra_host: list[int] = field(default_factory=list)  # values read with to_host(extra=...)
+    guard: torch.Tensor | None = None  # `[1]` int64 flag the deciding transform asks to read
 
     def to_host(
         self, token_ids: torch.Tensor, extra: torch.Tensor | None = None

@@ -24,6 +24,7 @@ from specsplit.core.sampling import (
     SamplingParams,
     derive_seed,
     exponential_noise,
+    fast_probs,
     logits_to_probs,
     make_generator,
     position_noise,
@@ -74,6 +75,7 @@ def decide(
     position: int,
     max_depth: int,
     max_branch: int,
+    exact_probs: bool = False,
 ) -> VerifyOutcome:
     """Accept the tree's longest agreeing path: greedy, or lossless sampling.
 
@@ -89,17 +91,61 @@ def decide(
         seed: the generation's verification seed (sampling only; None: the global RNG).
         position: absolute position of the token row 0 samples (tokens committed before it).
         max_depth / max_branch: host-side bounds of the tree.
+        exact_probs: the full-vocabulary transform; otherwise the fast one (:func:`fast_probs`),
+            whose tie-overflow flag lands in the outcome's ``guard`` (see :func:`decide_to_host`).
     """
     if not sampling.do_sample:
         return verify_greedy(logits, tree, max_depth, max_branch)
-    probs = logits_to_probs(logits, sampling)
+    guard = None
+    if exact_probs:
+        probs = logits_to_probs(logits, sampling)
+    else:
+        probs, guard = fast_probs(logits, sampling)
+    outcome = _decide_sampled(probs, tree, seed, position, max_depth, max_branch)
+    outcome.guard = guard
+    return outcome
+
+
+def decide_to_host(
+    logits: torch.Tensor,
+    tree: TokenTree,
+    sampling: SamplingParams,
+    seed: int | None,
+    position: int,
+    max_depth: int,
+    max_branch: int,
+) -> tuple[VerifyOutcome, tuple[list[int], list[int], int]]:
+    """:func:`decide` and its ONE host read: ``(outcome, (nodes, tokens, next token))``.
+
+    With the fast sampling transform its tie-overflow flag rides on that read; when set (more
+    tokens tie the k-th logit than the fast path holds) the round is decided again with the exact
+    transform (a second read, rare). The flag depends on the logits only, never on the draws, so
+    redoing does not bias what is sampled; a seeded round redraws the same randomness."""
+    outcome = decide(logits, tree, sampling, seed, position, max_depth, max_branch)
+    if outcome.guard is None:
+        return outcome, outcome.to_host(tree.token_ids)
+    host = outcome.to_host(tree.token_ids, extra=outcome.guard)
+    if outcome.extra_host[0]:
+        outcome = decide(logits, tree, sampling, seed, position, max_depth, max_branch, exact_probs=True)
+        host = outcome.to_host(tree.token_ids)
+    return outcome, host
+
+
+def _decide_sampled(
+    probs: torch.Tensor,
+    tree: TokenTree,
+    seed: int | None,
+    position: int,
+    max_depth: int,
+    max_branch: int,
+) -> VerifyOutcome:
     if tree.q_ids is None:
         if seed is None:
             noise = exponential_noise((max_depth + 1, probs.shape[-1]), probs.device, None)
         else:
             noise = position_noise(seed, position, max_depth + 1, probs.shape[-1], probs.device)
         return verify_sampled_matching(probs, tree, max_depth, noise)
-    gen = make_generator(logits.device, None if seed is None else derive_seed(seed, position))
+    gen = make_generator(probs.device, None if seed is None else derive_seed(seed, position))
     return verify_stochastic(probs, tree, max_depth, max_branch, gen)
 
 
@@ -188,8 +234,9 @@ class FullVerifier:
             ctx_len = proc.begin(length, pending)
             scores = proc.scores(logits, tree, host_depths, ctx_len)
             sampling = SamplingParams(do_sample=sampling.do_sample)  # the warpers ran as processors
-        outcome = decide(scores, tree, sampling, seed, length + p, max_depth, max_branch)
-        nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
+        _, (nodes, tokens, next_token) = decide_to_host(  # the round's one host sync
+            scores, tree, sampling, seed, length + p, max_depth, max_branch
+        )
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += p + n
         stats.forwards += 1
@@ -330,7 +377,7 @@ class SpecPVVerifier:
         t = time.perf_counter()
         step = self.policy.forward(state, pending, tree)
         tree = tree.to(step.logits.device)
-        outcome = decide(step.logits, tree, sampling, seed, position, max_depth, max_branch)
+        outcome = decide(step.logits, tree, sampling, seed, position, max_depth, max_branch, exact_probs=True)
         margin = self.config.rectify_margin
         if step.partial and margin > 0 and not sampling.do_sample:
             # Near-tie guard: the flag rides on the round's one host read.
