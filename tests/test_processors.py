@@ -149,6 +149,20 @@ def test_seeded_sampling_is_the_same_whatever_drafts(pair, servers, transport: s
             assert torch.equal(out, ref), f"{name} / {drafter}: {out.tolist()} != {ref.tolist()}"
 
 
+def test_seeded_sampled_chains_are_the_same_in_process_and_over_grpc(pair, servers) -> None:
+    """A sampled chain draws its tokens from the draft's processed q (rejection sampling, not
+    position-keyed draws), so its seeded output is its own: the same in-process and remote, for
+    every option (its distribution is checked in ``test_processors_distribution``)."""
+    ids = torch.tensor([PROMPT])
+    for name, kw in SAMPLING_OPTIONS.items():
+        outs = []
+        for transport in ("local", "grpc"):
+            with _generator(pair, servers, transport, "chain") as gen:
+                outs.append(gen.generate(ids, max_new_tokens=NEW, do_sample=True,
+                                         generator=torch.Generator().manual_seed(5), **kw))  # fmt: skip
+        assert torch.equal(outs[0], outs[1]), f"{name}: {outs[0].tolist()} != {outs[1].tolist()}"
+
+
 @pytest.mark.parametrize("transport", ["local", "grpc"])
 def test_output_scores_and_logits_equal_hf(pair, servers, transport: str) -> None:
     ids = torch.tensor([PROMPT])
