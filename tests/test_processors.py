@@ -370,20 +370,31 @@ def test_tree_scores_equal_hf_processors_row_by_row(pair, sample: bool) -> None:
     logits = torch.randn(len(tokens) + 1, 256, generator=g) * 4
     ours = proc.scores(logits, tree, depths, length)
 
+    hf = _hf_processors(target, options, len(prompt))
+    for row in range(len(tokens) + 1):
+        ctx = [2, 2] + prompt + committed + _row_path(row, tokens, parents)
+        theirs = hf(torch.tensor([ctx]), logits[row : row + 1].clone())
+        torch.testing.assert_close(ours[row : row + 1], theirs, msg=f"row {row}")
+
+
+def _hf_processors(target: Any, options: dict[str, Any], prompt_length: int, custom: Any = ()) -> Any:
+    """The processor list HF ``generate()`` builds for ``options``."""
     from transformers import GenerationConfig
 
     gc = GenerationConfig(**options)
     target._prepare_special_tokens(gc, True, torch.device("cpu"))
-    hf = target._get_logits_processor(gc, input_ids_seq_length=len(prompt), device="cpu", model_kwargs={})
-    base = [2, 2] + prompt + committed
-    for row in range(len(tokens) + 1):
-        path: list[int] = []
-        node = row - 1
-        while node >= 0:
-            path.insert(0, tokens[node])
-            node = parents[node]
-        theirs = hf(torch.tensor([base + path]), logits[row : row + 1].clone())
-        torch.testing.assert_close(ours[row : row + 1], theirs, msg=f"row {row}")
+    return target._get_logits_processor(gc, input_ids_seq_length=prompt_length, device="cpu",
+                                        logits_processor=list(custom), model_kwargs={})  # fmt: skip
+
+
+def _row_path(row: int, tokens: list[int], parents: list[int]) -> list[int]:
+    """The tokens on row ``row``'s path from the root (row 0: the context row, no path)."""
+    path: list[int] = []
+    node = row - 1
+    while node >= 0:
+        path.insert(0, tokens[node])
+        node = parents[node]
+    return path
 
 
 @pytest.mark.parametrize("kind", ["graph", "ignore-prompt"])
@@ -391,7 +402,6 @@ def test_penalty_mask_and_graph_scores_equal_hf_row_by_row(pair, kind: str) -> N
     """The repetition penalty as a token mask (and, for processors with a graph key, the
     fixed-shape device path a one-graph greedy round captures) equals HF's list row by row; a
     penalty that ignores part of the prompt takes the generic context path, also exact."""
-    from transformers import GenerationConfig
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     from specsplit.core.tree import TokenTree
@@ -417,17 +427,10 @@ def test_penalty_mask_and_graph_scores_equal_hf_row_by_row(pair, kind: str) -> N
     ours = [proc.scores(logits, tree, depths, length)]
     if kind == "graph":
         ours.append(device_scores(proc.stages, logits, tree, proc.presence(256, length)))
-    gc = GenerationConfig(**options)
-    target._prepare_special_tokens(gc, True, torch.device("cpu"))
-    hf = target._get_logits_processor(gc, input_ids_seq_length=len(prompt), device="cpu",
-                                      logits_processor=custom, model_kwargs={})  # fmt: skip
+    hf = _hf_processors(target, options, len(prompt), custom)
     for row in range(len(tokens) + 1):
-        path: list[int] = []
-        node = row - 1
-        while node >= 0:
-            path.insert(0, tokens[node])
-            node = parents[node]
-        theirs = hf(torch.tensor([[2] + prompt + committed + path]), logits[row : row + 1].clone())
+        ctx = [2] + prompt + committed + _row_path(row, tokens, parents)
+        theirs = hf(torch.tensor([ctx]), logits[row : row + 1].clone())
         for x in ours:
             torch.testing.assert_close(x[row : row + 1], theirs, rtol=0, atol=0, msg=f"row {row}")
 
