@@ -369,12 +369,16 @@ def test_tree_scores_equal_hf_processors_row_by_row(pair, sample: bool) -> None:
     length = proc.begin(len(prompt), committed)
     logits = torch.randn(len(tokens) + 1, 256, generator=g) * 4
     ours = proc.scores(logits, tree, depths, length)
+    flag = proc.overflow()  # sampling: top-k + top-p fused over the best candidates, no tie past them
+    assert (flag is not None and flag.item() == 0) if sample else flag is None
+    exact = proc.scores(logits, tree, depths, length, exact=True)  # HF's own warpers
 
     hf = _hf_processors(target, options, len(prompt))
     for row in range(len(tokens) + 1):
         ctx = [2, 2] + prompt + committed + _row_path(row, tokens, parents)
         theirs = hf(torch.tensor([ctx]), logits[row : row + 1].clone())
         torch.testing.assert_close(ours[row : row + 1], theirs, msg=f"row {row}")
+        torch.testing.assert_close(exact[row : row + 1], theirs, msg=f"row {row}")
 
 
 def _hf_processors(target: Any, options: dict[str, Any], prompt_length: int, custom: Any = ()) -> Any:

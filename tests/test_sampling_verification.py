@@ -62,7 +62,7 @@ def test_fast_top_k_top_p_flags_ties_beyond_its_candidates_and_the_round_is_redo
     assert (exact > 0).sum() > 10 + TIE_SLACK >= (probs > 0).sum()  # the fast path alone is off here
     tree = _tree([], [])
     for seed in range(10):  # without the redo, most of these seeds pick another token
-        outcome, (_, _, nxt) = decide_to_host(logits, tree, params, seed, 7, 0, 0)
+        _, (_, _, nxt) = decide_to_host(logits, tree, params, seed, 7, 0, 0)
         ref = decide(logits, tree, params, seed, 7, 0, 0, exact_probs=True)
         assert nxt == int(ref.next_token)
     no_tie = torch.randn(3, 400)
@@ -141,3 +141,42 @@ def test_stochastic_never_accepts_zero_probability_or_padding():
     pad = _tree([1], [-1], torch.tensor([[1, 2]]), torch.tensor([[0.0, 0.0]]))  # never drawn
     nodes, _, nxt = verify_stochastic(p, pad, 1, 1, torch.Generator().manual_seed(0)).to_host(pad.token_ids)
     assert nodes == [] and nxt == 1
+
+
+def test_a_set_guard_decides_the_round_on_the_exact_scores():
+    """A flag from whatever produced the scores (the processors' fused top-k + top-p) makes the
+    round be decided on ``exact_logits()``; a clear flag never calls it."""
+    from specsplit.engines.verifiers import decide_to_host
+
+    tree = _tree([], [])
+    fast, exact = torch.tensor([[5.0, 0.0, 0.0]]), torch.tensor([[0.0, 5.0, 0.0]])
+    calls: list[int] = []
+
+    def exact_logits() -> torch.Tensor:
+        calls.append(1)
+        return exact
+
+    for flag, want in ((1, 1), (0, 0)):
+        guard = torch.tensor([flag])
+        used, (_, _, nxt) = decide_to_host(fast, tree, SamplingParams(), None, 0, 0, 0, guard, exact_logits)
+        assert nxt == want and (used is exact) == bool(flag)
+    assert calls == [1]
+
+
+def test_fused_top_k_top_p_processor_equals_hf_and_flags_ties():
+    """The processor path's fused top-k + top-p equals HF's pair (the -inf filter included), and
+    with more ties at the k-th score than it holds it raises its flag; ``scores(exact=True)``
+    is HF's pair itself."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    from specsplit.engines.processing import FastTopKTopP
+
+    fused = FastTopKTopP(TopKLogitsWarper(20), TopPLogitsWarper(0.8))
+    hf = LogitsProcessorList([TopKLogitsWarper(20), TopPLogitsWarper(0.8)])
+    x = torch.randn(6, 500, generator=torch.Generator().manual_seed(2)) * 3
+    torch.testing.assert_close(fused(None, x.clone()), hf(None, x.clone()))
+    assert fused.overflow is not None and fused.overflow.item() == 0
+    ties = torch.zeros(2, 500)
+    ties[:, :3] = torch.tensor([2.0, 1.0, 0.5])
+    fused(None, ties.clone())
+    assert fused.overflow is not None and fused.overflow.item() == 1

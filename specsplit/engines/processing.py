@@ -28,6 +28,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
+from specsplit.core.sampling import TIE_SLACK
 from specsplit.core.tree import TokenTree
 from specsplit.core.tree_attention import ancestor_matrix
 from specsplit.errors import InvalidRequest
@@ -147,17 +148,13 @@ class TreeProcessors:
 
     def __init__(self, model: Any, spec: LogitsProcessing, device: torch.device):
         self.key = spec.to_json()
-        self.procs = build_processors(model, spec, device)
-        # Consecutive processors of one kind grouped into stages: (kind, processors), kind "free"
-        # (no context), "penalty" (a repetition penalty over the whole context: a token mask),
-        # "set" (the context's token set) or "rows" (one batch per depth level).
-        self.stages: list[tuple[str, list[Any]]] = []
-        for proc in self.procs:
-            kind = _kind(proc)
-            if self.stages and self.stages[-1][0] == kind:
-                self.stages[-1][1].append(proc)
-            else:
-                self.stages.append((kind, [proc]))
+        hf_procs = build_processors(model, spec, device)
+        # HF's top-k then top-p warpers as one pass over the best candidates (no full sort); the
+        # exact stages keep HF's own pair for the rare round that has to be decided again.
+        self.procs = _fuse_top_k_top_p(list(hf_procs))
+        self._fused = [p for p in self.procs if isinstance(p, FastTopKTopP)]
+        self.stages = _group(self.procs)
+        self._exact_stages = _group(list(hf_procs)) if self._fused else self.stages
         self.history = TokenHistory(spec.prefix_token_ids, device)
         # Only per-depth batches need the tree's depths on the host (a read of a device tree).
         self.needs_depths = any(kind == "rows" for kind, _ in self.stages)
@@ -213,8 +210,17 @@ class TreeProcessors:
         hist = self.history.view(length)[None].expand(x.shape[0], length)
         return _apply(self.procs, torch.cat([hist, paths], dim=1), x)
 
+    def overflow(self) -> torch.Tensor | None:
+        """`[1]` int64 device flag of the last :meth:`scores` call: 1 when a fused top-k + top-p
+        pass may have missed tokens tying the k-th score (decide with ``scores(exact=True)``
+        then); None when no pass is fused."""
+        flags = [p.overflow for p in self._fused if p.overflow is not None]
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
+
     def scores(
-        self, logits: torch.Tensor, tree: TokenTree, host_depths: list[int], length: int
+        self, logits: torch.Tensor, tree: TokenTree, host_depths: list[int], length: int, exact: bool = False
     ) -> torch.Tensor:
         """`[N + 1, V]` float32 processed scores of the context row and every node.
 
@@ -224,16 +230,18 @@ class TreeProcessors:
             host_depths: the nodes' depths (host ints, 1 = a child of the context row); read
                 only when :attr:`needs_depths`.
             length: row 0's context length (:meth:`begin`).
+            exact: HF's own top-k and top-p warpers (full sort) instead of the fused pass.
         """
+        stages = self._exact_stages if exact else self.stages
         x = logits.to(torch.float32, copy=True)  # processors may work in place; the logits stay raw
         if self.context_free:
-            for _, procs in self.stages:
+            for _, procs in stages:
                 x = _apply(procs, None, x)
             return x
         hist = self.history.view(length)
         levels: list[tuple[int, torch.Tensor]] | None = None
         path = sets = mask = None
-        for kind, procs in self.stages:
+        for kind, procs in stages:
             if kind == "free":
                 x = _apply(procs, None, x)
             elif kind == "penalty":
@@ -273,8 +281,61 @@ def device_scores(
     return x
 
 
+class FastTopKTopP:
+    """HF's ``TopKLogitsWarper`` followed by its ``TopPLogitsWarper``, computed over the
+    ``top_k + TIE_SLACK`` best candidates instead of sorting the whole vocabulary (the same
+    operations on the tokens that hold mass; everything else gets the filter value, as HF's pair
+    gives it). ``overflow`` is the last call's `[1]` flag: more tokens may tie the k-th score than
+    the candidates hold, and only HF's pair is exact then."""
+
+    def __init__(self, top_k: lp.TopKLogitsWarper, top_p: lp.TopPLogitsWarper):
+        self.pair = (top_k, top_p)
+        self.overflow: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top_k, top_p = self.pair
+        k = min(top_k.top_k, scores.shape[-1])
+        if k + TIE_SLACK >= scores.shape[-1]:
+            self.overflow = None
+            return top_p(input_ids, top_k(input_ids, scores))
+        vals, ids = torch.topk(scores, k + TIE_SLACK, dim=-1)  # descending
+        kth = vals[..., k - 1 : k]
+        cand = vals.masked_fill(vals < kth, top_k.filter_value).flip(-1)  # ascending, as HF sorts
+        remove = cand.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p.top_p)
+        remove[..., -top_p.min_tokens_to_keep :] = False
+        kept = cand.masked_fill(remove, top_p.filter_value).flip(-1)
+        self.overflow = ((vals[..., -1:] >= kth) & (kth > -torch.inf)).any().long().view(1)
+        return torch.full_like(scores, top_p.filter_value).scatter_(-1, ids, kept)
+
+
+def _fuse_top_k_top_p(procs: list[Any]) -> list[Any]:
+    """``procs`` with each HF top-k warper directly followed by a top-p warper made one
+    :class:`FastTopKTopP` (exact types: a subclass may behave otherwise)."""
+    out: list[Any] = []
+    for proc in procs:
+        if out and type(proc) is lp.TopPLogitsWarper and type(out[-1]) is lp.TopKLogitsWarper:
+            out[-1] = FastTopKTopP(out[-1], proc)
+        else:
+            out.append(proc)
+    return out
+
+
+def _group(procs: list[Any]) -> list[tuple[str, list[Any]]]:
+    """Consecutive processors of one kind grouped into stages ``(kind, processors)``: kind "free"
+    (no context), "penalty" (a repetition penalty over the whole context: a token mask), "set"
+    (the context's token set) or "rows" (one batch per depth level)."""
+    stages: list[tuple[str, list[Any]]] = []
+    for proc in procs:
+        kind = _kind(proc)
+        if stages and stages[-1][0] == kind:
+            stages[-1][1].append(proc)
+        else:
+            stages.append((kind, [proc]))
+    return stages
+
+
 def _kind(proc: Any) -> str:
-    if type(proc) in _CONTEXT_FREE:
+    if type(proc) in _CONTEXT_FREE or isinstance(proc, FastTopKTopP):
         return "free"
     if type(proc) in _SET_BASED:
         # HF's penalty cuts `prompt_ignore_length` tokens off the context: the generic set path.

@@ -14,7 +14,9 @@ strategy) with one host read, and keeps the KV of the accepted path.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -114,21 +116,28 @@ def decide_to_host(
     position: int,
     max_depth: int,
     max_branch: int,
-) -> tuple[VerifyOutcome, tuple[list[int], list[int], int]]:
-    """:func:`decide` and its ONE host read: ``(outcome, (nodes, tokens, next token))``.
+    guard: torch.Tensor | None = None,
+    exact_logits: Callable[[], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, tuple[list[int], list[int], int]]:
+    """:func:`decide` and its ONE host read: ``(the logits decided on, (nodes, tokens, next token))``.
 
-    With the fast sampling transform its tie-overflow flag rides on that read; when set (more
-    tokens tie the k-th logit than the fast path holds) the round is decided again with the exact
-    transform (a second read, rare). The flag depends on the logits only, never on the draws, so
-    redoing does not bias what is sampled; a seeded round redraws the same randomness."""
+    With the fast sampling transform its tie-overflow flag (and ``guard``, the same kind of flag
+    of whatever produced ``logits``) rides on that read; when set (more tokens tie the k-th logit
+    than the fast path holds) the round is decided again exactly: the full-sort transform on
+    ``exact_logits()`` (or ``logits``), a second read, rare. The flags depend on the logits only,
+    never on the draws, so redoing does not bias what is sampled; a seeded round redraws the
+    same randomness."""
     outcome = decide(logits, tree, sampling, seed, position, max_depth, max_branch)
-    if outcome.guard is None:
-        return outcome, outcome.to_host(tree.token_ids)
-    host = outcome.to_host(tree.token_ids, extra=outcome.guard)
+    flags = [f for f in (outcome.guard, guard) if f is not None]
+    if not flags:
+        return logits, outcome.to_host(tree.token_ids)
+    host = outcome.to_host(tree.token_ids, extra=torch.cat(flags).amax().view(1))
     if outcome.extra_host[0]:
+        if exact_logits is not None:
+            logits = exact_logits()
         outcome = decide(logits, tree, sampling, seed, position, max_depth, max_branch, exact_probs=True)
         host = outcome.to_host(tree.token_ids)
-    return outcome, host
+    return logits, host
 
 
 def _decide_sampled(
@@ -229,13 +238,15 @@ class FullVerifier:
             cache.rollback(length)
             raise
         tree = tree.to(logits.device)
-        scores = logits
+        scores, guard, exact = logits, None, None
         if proc is not None:  # HF processors, each row with its own context
             ctx_len = proc.begin(length, pending)
             scores = proc.scores(logits, tree, host_depths, ctx_len)
+            guard = proc.overflow()
+            exact = functools.partial(proc.scores, logits, tree, host_depths, ctx_len, exact=True)
             sampling = SamplingParams(do_sample=sampling.do_sample)  # the warpers ran as processors
-        _, (nodes, tokens, next_token) = decide_to_host(  # the round's one host sync
-            scores, tree, sampling, seed, length + p, max_depth, max_branch
+        scores, (nodes, tokens, next_token) = decide_to_host(  # the round's one host sync
+            scores, tree, sampling, seed, length + p, max_depth, max_branch, guard, exact
         )
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += p + n
