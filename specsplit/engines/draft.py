@@ -3,7 +3,8 @@
 A round: ingest the committed tokens the session has not seen (one causal forward, which also
 yields the distribution of the root's children), then grow the tree level by level — all nodes
 of a level in ONE forward with tree attention — and finally roll the cache back to the committed
-context (O(1)). Nothing here reads device values back to the host.
+context (O(1)). Nothing here reads device values back to the host (a logits processor that does,
+such as HF's n-gram ban, applied to the draft's levels, is the exception it brings).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class DraftCacheState:
     last_tree: TokenTree | None = None  # the tree drafted last (speculation extends its main path)
     spec_base: int | None = None  # length confirmed by the caller before a speculative extension
     processors: TreeProcessors | None = None  # the generation's logits processors, if any
-    processors_key: str | None = None  # what they were built from ("" when they could not be)
+    processors_key: str | None = None  # what they were built from (kept if that failed: no retry a round)
 
     @property
     def cached_prompt_len(self) -> int:

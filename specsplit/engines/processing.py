@@ -138,7 +138,8 @@ class TokenHistory:
 
 
 class TreeProcessors:
-    """A session's processors and token history; :meth:`scores` processes a verified tree.
+    """A session's processors and token history: :meth:`scores` processes a verified tree (target),
+    :meth:`level_scores` one level of a tree being grown (draft).
 
     Args:
         model: the target's HF model (its ``_get_logits_processor`` builds the list).
