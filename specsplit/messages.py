@@ -71,11 +71,19 @@ class LogitsProcessing:
     processors: list[Any] = field(default_factory=list)
 
     def to_json(self) -> str:
-        """The wire form (without ``processors``)."""
-        return json.dumps(
-            {"options": self.options, "prompt_length": self.prompt_length, "prefix": self.prefix_token_ids},
-            sort_keys=True,
-        )
+        """The wire form (without ``processors``); made once, since engines key their processors
+        on it every round (a spec is not changed once made)."""
+        text = self.__dict__.get("_json")
+        if text is None:
+            text = self.__dict__["_json"] = json.dumps(
+                {
+                    "options": self.options,
+                    "prompt_length": self.prompt_length,
+                    "prefix": self.prefix_token_ids,
+                },
+                sort_keys=True,
+            )
+        return text
 
     @classmethod
     def from_json(cls, text: str) -> LogitsProcessing:

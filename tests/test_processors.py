@@ -598,3 +598,18 @@ def test_greedy_rounds_with_a_penalty_replay_as_one_round_graph(pair) -> None:
             assert sum(out.spec_stats.accepted_counts()) > 0
             new = set(gen.target_engine._rounds) - before
             assert any(key[-1] is not None for key in new) == one_graph, (opts, new)
+
+
+def test_presence_mask_is_rebuilt_when_the_history_is_rewritten(pair) -> None:
+    """A draft's speculative extension that turns out wrong is overwritten in its history: the
+    penalty's presence mask must forget the overwritten tokens, not only add new ones."""
+    from specsplit.engines.processing import TreeProcessors
+    from specsplit.messages import LogitsProcessing
+
+    proc = TreeProcessors(pair[0], LogitsProcessing({"repetition_penalty": 1.5}, 3), torch.device("cpu"))
+    proc.record(0, [5, 6, 7, 8])
+    assert proc.presence(256, 4).nonzero().flatten().tolist() == [5, 6, 7, 8]
+    proc.record(2, [9, 10])  # positions 2.. rewritten: 7 and 8 are gone
+    assert proc.presence(256, 4).nonzero().flatten().tolist() == [5, 6, 9, 10]
+    proc.record(4, [11])  # appending keeps the mask and adds
+    assert proc.presence(256, 5).nonzero().flatten().tolist() == [5, 6, 9, 10, 11]

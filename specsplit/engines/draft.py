@@ -209,7 +209,7 @@ class DraftEngine(EngineBase[DraftCacheState]):
             # Drafting without them only lowers acceptance; the target applies them exactly.
             logger.warning("draft %s: logits processors not applied to drafts (%s)", req.session_id, e)
             return
-        proc.history.write(proc.history.prefix_len, state.cached_prompt_ids)
+        proc.record(proc.history.prefix_len, state.cached_prompt_ids)
         state.processors = proc
 
     # ------------------------------------------------------------------ speculation (overlap)
@@ -283,7 +283,7 @@ class DraftEngine(EngineBase[DraftCacheState]):
         stats.tokens_processed += len(todo)
         stats.forwards += 1
         if state.processors is not None:
-            state.processors.history.write(state.processors.history.prefix_len + length, todo)
+            state.processors.record(state.processors.history.prefix_len + length, todo)
         state.cached_prompt_ids.extend(todo)
         state.cached_last_logits = logits
         return logits

@@ -173,7 +173,8 @@ class TreeProcessors:
 
     def presence(self, vocab: int, length: int) -> torch.Tensor:
         """`[vocab]` bool: which tokens the first ``length`` tokens of the history hold. Updated
-        with the tokens added since the last call (the history only grows in a generation)."""
+        with the tokens added since the last call; rebuilt after :meth:`record` rewrites tokens it
+        already holds (a draft's speculative extension that turned out wrong)."""
         if self._present is None or self._present.shape[0] != vocab:
             self._present = torch.zeros(vocab, dtype=torch.bool, device=self.history.buf.device)
             self._present_len = 0
@@ -182,22 +183,31 @@ class TreeProcessors:
             self._present_len = length
         return self._present
 
+    def record(self, start: int, tokens: list[int]) -> None:
+        """Write ``tokens`` at position ``start`` of the history."""
+        if start < self._present_len and self._present is not None:
+            self._present.zero_()
+            self._present_len = 0
+        self.history.write(start, tokens)
+
     def begin(self, cached: int, pending: list[int]) -> int:
         """Record a round's pending tokens after the ``cached`` tokens the target holds; returns the
         context length of row 0."""
         start = self.history.prefix_len + cached
-        self.history.write(start, pending)
+        self.record(start, pending)
         return start + len(pending)
 
     def commit(self, length: int, tokens: list[int]) -> None:
         """Record the accepted tokens after row 0's context of ``length`` tokens."""
-        self.history.write(length, tokens)
+        self.record(length, tokens)
 
     def level_scores(self, logits: torch.Tensor, paths: torch.Tensor, length: int) -> torch.Tensor:
         """`[W, V]` float32 processed scores of ``W`` nodes at one depth of a tree being grown: each
         row's context is the first ``length`` tokens of the history followed by its path.
 
-        All rows of a level have contexts of one length, so the whole list runs as one batch.
+        All rows of a level have contexts of one length, so the whole list runs as one batch; a
+        repetition penalty takes the token mask (the history's presence mask plus each path), so
+        only per-row processors see the whole context.
 
         Args:
             logits: `[W, V]` the model's logits of the nodes (or of the context row: ``paths``
@@ -206,10 +216,21 @@ class TreeProcessors:
             length: the context's length in the history.
         """
         x = logits.to(torch.float32, copy=True)
-        if self.context_free:
-            return _apply(self.procs, None, x)
-        hist = self.history.view(length)[None].expand(x.shape[0], length)
-        return _apply(self.procs, torch.cat([hist, paths], dim=1), x)
+        ctx = mask = None
+        for kind, procs in self.stages:
+            if kind == "free":
+                x = _apply(procs, None, x)
+            elif kind == "penalty":
+                if mask is None:
+                    mask = self.presence(x.shape[-1], length)[None].expand(x.shape[0], -1)
+                    mask = mask.clone().scatter_(1, paths, True) if paths.shape[1] else mask
+                x = _penalise(procs, mask, x)
+            else:
+                if ctx is None:
+                    hist = self.history.view(length)[None].expand(x.shape[0], length)
+                    ctx = torch.cat([hist, paths], dim=1)
+                x = _apply(procs, ctx, x)
+        return x
 
     def overflow(self) -> torch.Tensor | None:
         """`[1]` int64 device flag of the last :meth:`scores` call: 1 when a fused top-k + top-p

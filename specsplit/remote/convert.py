@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -288,7 +288,7 @@ def draft_request_to_proto(r: DraftRequest) -> pb.DraftRequest:
         tree_channel=getattr(r, "tree_channel", ""),
         tree_slot=getattr(r, "tree_slot", 0),
         # Custom processors stay where the loop runs; the options alone still steer the drafts.
-        processing=processing_to_wire(replace(r.processing, processors=[]) if r.processing else None),
+        processing=processing_to_wire(r.processing, custom="drop"),
         **kwargs,
     )
 
@@ -363,11 +363,12 @@ def verify_request_to_proto(r: VerifyRequest) -> pb.VerifyRequest:
     )
 
 
-def processing_to_wire(p: LogitsProcessing | None) -> str:
-    """The JSON form of the processing options; custom processors cannot be sent."""
+def processing_to_wire(p: LogitsProcessing | None, custom: str = "refuse") -> str:
+    """The JSON form of the processing options; custom processors cannot be sent: refused
+    (``ConfigError``), or left out with ``custom="drop"``."""
     if p is None:
         return ""
-    if p.processors:
+    if p.processors and custom != "drop":
         raise ConfigError(
             "custom logits processors run where the target verifies and cannot be sent to a remote "
             "target worker: use transport='local', or express them as generation options"
