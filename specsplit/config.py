@@ -35,6 +35,7 @@ from specsplit.errors import ConfigError
 TreeShape = Literal["chain", "static", "dynamic"]
 Drafter = Literal["model", "ngram", "suffix", "hybrid", "auto"]
 DRAFTERS = ("model", "ngram", "suffix", "hybrid", "auto")
+BATCH_LIMIT = 128  # most rows one batched round holds (the largest batch bucket)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
 
@@ -425,6 +426,9 @@ class SpecSplitConfig:
             mode.
         overlap: draft round N+1 while round N verifies (``drafter="model"`` only; pays only with
             draft and target on different devices or machines; the output is identical either way).
+        max_batch: rows of a ``generate()`` batch verified together, in one target forward per
+            round (continuous batching: rows that finish leave, waiting rows join). ``0`` or ``1``:
+            rows decode one after another. Batched rows draft with n-grams (see the README).
         tree: shape of the draft model's tree.
         draft / target: the two engines.
         tuning: A/B switches of the round loop (:class:`PipelineTuning`).
@@ -439,6 +443,7 @@ class SpecSplitConfig:
     tls_ca_file: str | None = None
     drafter: Drafter = "model"
     overlap: bool = False
+    max_batch: int = 16
     tree: TreeConfig = field(default_factory=TreeConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -465,6 +470,8 @@ class SpecSplitConfig:
             )
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.max_batch <= BATCH_LIMIT:
+            raise ConfigError(f"max_batch must be in 0..{BATCH_LIMIT}, got {self.max_batch}")
         self.target.specpv.check_tree(self.tree.max_nodes, self.tree.depth_limit)
 
     # ------------------------------------------------------------------ (de)serialisation

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +16,10 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
-from specsplit.config import Drafter, SpecSplitConfig
+from specsplit.config import BATCH_LIMIT, Drafter, SpecSplitConfig
 from specsplit.core.sampling import SamplingParams
+from specsplit.engines.batch_plan import BATCH_TREE_SIZES, BatchPlanner
+from specsplit.engines.batched import BatchedTarget, batch_bucket
 from specsplit.engines.cost_model import CostModels
 from specsplit.engines.draft import DraftEngine
 from specsplit.engines.drafters import NgramDrafter
@@ -26,6 +29,7 @@ from specsplit.errors import ConfigError
 from specsplit.local import LocalTransport
 from specsplit.messages import LogitsProcessing
 from specsplit.pipeline import DecodeOutputs, DecodeParams, OverlapPolicies, OverlapPolicy, decode
+from specsplit.pipeline.batch import BatchRequest, BatchScheduler, run_rows
 from specsplit.telemetry import SpecStats
 from specsplit.transport import Transport
 
@@ -128,6 +132,18 @@ def score_options(gc: GenerationConfig, width: int, max_new_tokens: int) -> dict
     return options
 
 
+def _row_generators(generator: Any, batch: int) -> list[torch.Generator] | None:
+    """One generator per row when ``generate()`` got a list (each row then samples what its
+    single-row generation with that generator samples); None for one shared generator."""
+    if not isinstance(generator, (list, tuple)):
+        return None
+    if len(generator) != batch:
+        raise ValueError(
+            f"generator: {len(generator)} generators for {batch} rows (one per row, copies included)"
+        )
+    return list(generator)
+
+
 def _steps(per_row: list[list[torch.Tensor]], width: int) -> tuple[torch.Tensor, ...]:
     """Per-row lists of `[vocab]` rows -> one `[batch, vocab]` tensor per step (-inf past a row's end)."""
     first = next((r[0] for r in per_row if r), None)
@@ -187,6 +203,10 @@ class SpecSplitGenerator:
         mode = self.config.drafter
         self._ngram = NgramDrafter(self.config.tuning.ngram, suffix=mode in ("suffix", "auto"))
         self._costs = CostModels()
+        self._scheduler: BatchScheduler | None = None  # batched rounds: the KV pool, its graphs, its rows
+        self._batch_lock = threading.Lock()
+        self._calls = 0  # generate() calls in flight (a concurrent call joins the batched rounds)
+        self._batch_planner = BatchPlanner(skip_first=self.config.target.cuda_graphs)
         gc = getattr(target_model, "generation_config", None)
         self.generation_config = copy.deepcopy(gc) if gc is not None else GenerationConfig()
 
@@ -260,7 +280,7 @@ class SpecSplitGenerator:
         prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
         *,
         streamer: Any = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
         tokenizer: Any = None,
         return_dict_in_generate: bool | None = None,
         **kwargs: Any,
@@ -289,7 +309,8 @@ class SpecSplitGenerator:
                 else None).
             prefix_allowed_tokens_fn: as in ``generate()`` (in-process transport only).
             streamer: an HF streamer (batch 1 only), fed after every round.
-            generator: CPU ``torch.Generator`` that makes sampling reproducible.
+            generator: CPU ``torch.Generator`` that makes sampling reproducible, or a list of one
+                per row (each row then samples exactly what it samples alone with that generator).
             tokenizer: for stop strings (defaults to the generator's tokenizer).
             return_dict_in_generate: return a :class:`SpecSplitOutput` instead of a tensor.
 
@@ -317,7 +338,8 @@ class SpecSplitGenerator:
                 )
             input_ids = input_ids.repeat_interleave(copies, dim=0)
             attention_mask = attention_mask.repeat_interleave(copies, dim=0)
-        params = self._decode_params(gc, input_ids.shape[1], tokenizer or self.tokenizer, generator)
+        shared = None if isinstance(generator, (list, tuple)) else generator
+        params = self._decode_params(gc, input_ids.shape[1], tokenizer or self.tokenizer, shared)
         params.stopping_criteria = list(stopping_criteria or [])
         if gc.max_time is not None:
             params.stopping_criteria.append(MaxTimeCriteria(float(gc.max_time)))
@@ -325,26 +347,31 @@ class SpecSplitGenerator:
         batch = input_ids.shape[0]
         if streamer is not None and batch > 1:
             raise ValueError("streamers support batch size 1 only (as in transformers)")
-        rows: list[list[int]] = []
-        all_stats: list[SpecStats] = []
-        row_outputs: list[DecodeOutputs] = []
-        if streamer is not None:
-            streamer.put(input_ids[0].cpu())
+        generators = _row_generators(generator, batch)
+        prompts: list[list[int]] = []
+        per_row: list[DecodeParams] = []
         for b in range(batch):
             keep = attention_mask[b].bool()
-            prompt = input_ids[b][keep].tolist()
+            prompts.append(input_ids[b][keep].tolist())
             pads = input_ids[b][: int((~keep).sum())].tolist()  # left padding, as generate() sees it
             row_params = self._row_params(
                 params, gc, input_ids.shape[1], pads, custom, prefix_allowed_tokens_fn, b
             )
-            on_tokens = (lambda t: streamer.put(torch.tensor(t, dtype=torch.long))) if streamer else None
-            outputs = DecodeOutputs()
-            new, stats = decode(self.transport, prompt, row_params, on_tokens=on_tokens, outputs=outputs)
-            rows.append(new)
-            all_stats.append(stats)
-            row_outputs.append(outputs)
-        if streamer is not None:
-            streamer.end()
+            if generators is not None:
+                row_params.generator = generators[b]
+            per_row.append(row_params)
+        row_outputs = [DecodeOutputs() for _ in range(batch)]
+        with self._batch_lock:
+            self._calls += 1
+        try:
+            batched = self._decode_batched(prompts, per_row) if self._batchable(per_row, streamer) else None
+            if batched is not None:
+                rows, all_stats = batched
+            else:
+                rows, all_stats = self._decode_rows(prompts, per_row, row_outputs, streamer, input_ids[0])
+        finally:
+            with self._batch_lock:
+                self._calls -= 1
         pad = self._pad_id(gc)
         width = max((len(r) for r in rows), default=0)
         new_part = torch.full((batch, width), pad, dtype=input_ids.dtype)
@@ -440,6 +467,95 @@ class SpecSplitGenerator:
         draft = spec if shaping and self.config.tuning.draft_processors else None
         return dataclasses.replace(params, processing=spec, draft_processing=draft, criteria_prefix=pads)
 
+    def _decode_rows(
+        self,
+        prompts: list[list[int]],
+        rows: list[DecodeParams],
+        outputs: list[DecodeOutputs],
+        streamer: Any,
+        first: torch.Tensor,
+    ) -> tuple[list[list[int]], list[SpecStats]]:
+        """The rows one after another, each through the single-row round loop."""
+        new_rows: list[list[int]] = []
+        all_stats: list[SpecStats] = []
+        if streamer is not None:
+            streamer.put(first.cpu())
+        on_tokens = (lambda t: streamer.put(torch.tensor(t, dtype=torch.long))) if streamer else None
+        for prompt, row_params, out in zip(prompts, rows, outputs, strict=True):
+            new, stats = decode(self.transport, prompt, row_params, on_tokens=on_tokens, outputs=out)
+            new_rows.append(new)
+            all_stats.append(stats)
+        if streamer is not None:
+            streamer.end()
+        return new_rows, all_stats
+
+    def _batchable(self, rows: list[DecodeParams], streamer: Any) -> bool:
+        """Whether a batch's rows can share rounds (:mod:`specsplit.pipeline.batch`): in-process,
+        ``max_batch`` > 1, several rows or another call in flight (a concurrent call's rows join the
+        same rounds), and nothing that is applied row by row on the sequential path only (logits
+        processors, output scores, a streamer, SpecPV, a target spread over several devices), and a
+        drafter that needs no draft model per row (``"model"`` with a draft model keeps its drafts)."""
+        engine = self.target_engine
+        if self.config.max_batch < 2 or engine is None or streamer is not None:
+            return False
+        if len(rows) < 2 and self._calls < 2:  # one row alone: the single-row path (graphs, compile, drafts)
+            return False
+        if self.config.drafter == "model" and self.draft_engine is not None:
+            logger.debug("rows decode one after another: drafter='model' drafts one row at a time")
+            return False
+        if engine.config.specpv.enabled or any(p.processing is not None for p in rows):
+            logger.debug("rows decode one after another: logits processors or SpecPV are per-row features")
+            return False
+        devices = getattr(engine.runner.model, "hf_device_map", None)
+        return not devices or len(set(devices.values())) <= 1
+
+    def _decode_batched(
+        self, prompts: list[list[int]], rows: list[DecodeParams]
+    ) -> tuple[list[list[int]], list[SpecStats]] | None:
+        """Every row through batched rounds on the target (a KV pool kept for later calls, grown
+        when a batch needs more rows or positions than it holds)."""
+        assert self.target_engine is not None
+        need = max(len(p) + r.max_new_tokens for p, r in zip(prompts, rows, strict=True))
+        capacity = -(-(need + max(BATCH_TREE_SIZES) + 1) // 256) * 256
+        # Slots for max_batch rows: concurrent calls share the pool.
+        scheduler = self._scheduler_for(batch_bucket(self.config.max_batch, BATCH_LIMIT), capacity)
+        if scheduler is None:
+            logger.info("the batch pool is in use and too small for this call: its rows decode one by one")
+            return None
+        if self.draft_engine is not None:
+            logger.info("batched rows draft with n-grams (the draft model drafts for one row at a time)")
+        # drafter="model" without a draft model is target-only decoding: plain batched steps.
+        target_only = self.config.drafter == "model" and self.draft_engine is None
+        requests = [BatchRequest(p, r) for p, r in zip(prompts, rows, strict=True)]
+        out = run_rows(scheduler, requests, None if target_only else self._ngram)
+        return [o[0] for o in out], [o[1] for o in out]
+
+    def _scheduler_for(self, slots: int, capacity: int) -> BatchScheduler | None:
+        """The scheduler whose pool holds ``slots`` rows of ``capacity`` positions: the current one,
+        or (while no call is using it) a bigger one; None while a too small one is in use."""
+        assert self.target_engine is not None
+        with self._batch_lock:
+            sched = self._scheduler
+            if sched is not None and sched.target.fits(slots, capacity):
+                return sched
+            if sched is not None and (sched.live_rows or sched.waiting_rows):
+                return None
+            if sched is not None:
+                slots, capacity = max(slots, sched.target.slots), max(capacity, sched.target.capacity)
+            self._scheduler = None  # the old pool's memory goes before the new one is allocated
+            pool = BatchedTarget(
+                self.target_engine.runner, slots, capacity, use_graphs=self.config.target.cuda_graphs
+            )
+            self._scheduler = BatchScheduler(
+                pool, min(self.config.max_batch, pool.slots), self._batch_planner
+            )
+            return self._scheduler
+
+    @property
+    def _batched(self) -> BatchedTarget | None:
+        """The batched rounds' KV pool (None before the first batched call)."""
+        return self._scheduler.target if self._scheduler is not None else None
+
     def _padded_trees(self) -> bool:
         """Pad n-gram trees to a few sizes: the target may replay graphs (a remote one may: padding
         then costs a little, while a graph and a compile per tree size would cost a lot)."""
@@ -495,7 +611,8 @@ class SpecSplitGenerator:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Release the transport (idempotent)."""
+        """Release the transport and the batched rounds' KV pool (idempotent)."""
+        self._scheduler = None
         self.transport.close()
 
     def __enter__(self) -> SpecSplitGenerator:

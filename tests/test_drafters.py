@@ -72,6 +72,7 @@ def test_ngram_batch_and_static_path_are_exact(llama_target):
     for graphs in (False, True):
         cfg = SpecSplitConfig(
             drafter="ngram",
+            max_batch=0,  # rows one after another: the single-row round graphs (batching: test_batching)
             target=TargetConfig(cuda_graphs=graphs, tuning=EngineTuning(graph_capacity=512)),
             draft=DraftConfig(cuda_graphs=graphs),
         )

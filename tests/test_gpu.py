@@ -539,3 +539,76 @@ def test_no_hidden_host_syncs_with_a_repetition_penalty(
         out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
         torch.cuda.set_sync_debug_mode(0)
     assert outcome_reads["n"] == len(stats.rounds)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_batched_rounds_on_cuda_graphs_exact(llama_target, do_sample):
+    """Batched rounds replayed from graphs (one per batch bucket, tree size and KV bucket) commit what
+    the eager batched rounds and the sequential rows commit; rows leaving shrink the batch bucket."""
+    import copy
+
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    prompts = PROMPTS + [[1, 2, 3, 1, 2, 3, 1, 2, 3], [90], [11, 12, 13, 11, 12, 13, 11]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    kw = dict(max_new_tokens=40, do_sample=do_sample, temperature=0.9, top_p=0.9)
+    outs = []
+    for graphs, max_batch in ((True, 4), (False, 4), (True, 0)):
+        cfg = SpecSplitConfig(
+            drafter="ngram", max_batch=max_batch, target=TargetConfig(cuda_graphs=graphs, dtype="float32")
+        )
+        with SpecSplitGenerator(target, None, config=cfg) as gen:
+            outs.append(
+                gen.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(3), **kw)
+            )
+            if graphs and max_batch:
+                assert gen._batched is not None and gen._batched.captures >= 2
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])
+    if not do_sample:
+        for b, p in enumerate(prompts):
+            ref = llama_target.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            row = outs[0][b, width:].tolist()
+            assert row[: len(ref)] == ref
+
+
+def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
+    """A greedy batched round on the graph path makes no device-to-host read but its outcome's."""
+    import copy
+
+    from specsplit.core.sampling import SamplingParams
+    from specsplit.engines import batched
+    from specsplit.engines.batched import BatchedTarget, RowTree
+    from specsplit.runtime.runner import ModelRunner
+
+    reads = {"n": 0}
+    orig = batched.read_outcome
+
+    def allowed(t):
+        reads["n"] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return orig(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(batched, "read_outcome", allowed)
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    pool = BatchedTarget(ModelRunner(target, None, "cuda:0", None, "float32"), slots=4, capacity=256)
+    prompts = [PROMPTS[0], PROMPTS[2], [1, 2, 3, 1, 2, 3]]
+    pool.prefill(0, [p[:-1] for p in prompts])
+    rows = [RowTree(len(p) - 1, p[-1], [p[0], p[1]], [-1, 0], [1, 2]) for p in prompts]
+    pool.round(rows, SamplingParams(), 2)  # captures the shape
+    rows = [RowTree(r.length + 1, 5, [6, 7], [-1, 0], [1, 2]) for r in rows]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.round(rows, SamplingParams(), 2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert reads["n"] == 2

@@ -480,3 +480,35 @@ def t_srv_loop_stream(server) -> object:  # noqa: ANN001
     loop = next(cb.__self__ for cb in server.on_stop if hasattr(getattr(cb, "__self__", None), "_draft"))
     draft = loop._draft  # noqa: SLF001
     return draft._draft_stream.call if draft._draft_stream is not None else None  # noqa: SLF001
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_batched_worker_serves_concurrent_clients_in_shared_rounds(engines, sampling):
+    """A target worker with max_batch: concurrent n-gram Generate calls share batched rounds, and
+    each client gets exactly what it gets from a worker without batching (same seeds)."""
+    ids, _ = prompts(6, seed=21)
+    outs: dict[int, list[torch.Tensor]] = {}
+    for max_batch in (0, 4):
+        srv = serve_target(engines[1], drafter="ngram", max_batch=max_batch, batch_capacity=256)
+        start = threading.Barrier(ids.shape[0])
+
+        def client(i: int, srv=srv, start=start) -> torch.Tensor:  # noqa: ANN001
+            with loop_gen(srv.address, TREES["chain4"], drafter="ngram") as gen:
+                start.wait()
+                g = torch.Generator().manual_seed(i)
+                return gen.generate(ids[i : i + 1], max_new_tokens=24, generator=g, return_dict_in_generate=True,
+                                    **SAMPLING[sampling])  # fmt: skip
+
+        try:
+            with ThreadPoolExecutor(ids.shape[0]) as pool:
+                res = list(pool.map(client, range(ids.shape[0])))
+        finally:
+            srv.stop(grace=1.0)
+        outs[max_batch] = [r.sequences for r in res]
+        if max_batch:
+            assert srv.batch is not None
+            assert 0 < srv.batch.rounds < sum(len(r.spec_stats.rounds) for r in res)  # rounds were shared
+        else:
+            assert srv.batch is None
+    for i in range(ids.shape[0]):
+        assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"

@@ -12,6 +12,13 @@ from pathlib import Path
 
 import torch
 
+from specsplit.bench.batch import (
+    BATCH_DECODERS,
+    CLIENT_DECODERS,
+    BatchBenchOptions,
+    batch_markdown,
+    run_batch_bench,
+)
 from specsplit.bench.decoders import ASSISTED, BASELINE, DEFAULT_DECODERS, OPTIONAL_DECODERS
 from specsplit.bench.report import RunRecord, summarize, write_plot
 from specsplit.bench.run import (
@@ -119,6 +126,21 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="run nothing: rewrite the .md and .png next to an existing results .json",
+    )
+    p.add_argument(
+        "--batch-size",
+        default=None,
+        metavar="B[,B...]",
+        help="run the batched bench instead (specsplit.bench.batch): at each batch size, one left-padded "
+        f"generate() call over B prompts for each of {','.join(BATCH_DECODERS)} (--decoders may pick "
+        "a subset); aggregate tok/s, per-row ms/token p50/p95, and ratios to batch 1 and to hf-batch",
+    )
+    p.add_argument(
+        "--concurrent-clients",
+        default=None,
+        metavar="N[,N...]",
+        help="run the concurrency bench instead: for each N, N client threads (grpc_loop='target', one "
+        f"Generate call each) against one batching target worker in this process; decoders {','.join(CLIENT_DECODERS)}",
     )
     add_tuning_flags(p, pipeline=True)
     _set_help(
@@ -254,6 +276,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _rerender(args.from_json)
     check_engine_flags(args)
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if args.batch_size or args.concurrent_clients:
+        return _cmd_batch_bench(args, device)
     opts = _options(args, device)
     try:
         opts.dynamic_tree = _dynamic_tree(args.dynamic_tree)
@@ -281,6 +305,62 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"specsplit bench: error: {e}", file=sys.stderr)
         return 2
     print(_markdown(result))
+    for kind, path in result["files"].items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
+    """``specsplit bench --batch-size ...`` (see :mod:`specsplit.bench.batch`)."""
+    try:
+        clients = tuple(int(x) for x in (args.concurrent_clients or "").split(",") if x.strip())
+        sizes = tuple(int(x) for x in (args.batch_size or "").split(",") if x.strip())
+        if clients and sizes:
+            raise ValueError("--batch-size and --concurrent-clients are two different runs: pick one")
+        if any(x < 1 for x in clients + sizes):
+            raise ValueError("batch sizes and client counts must be >= 1")
+        picked = tuple(d.strip() for d in args.decoders.split(",") if d.strip())
+        default = CLIENT_DECODERS if clients else BATCH_DECODERS
+        decoders = default if picked == tuple(DEFAULT_DECODERS) else picked
+        if set(decoders) - set(default):
+            raise ValueError(f"decoders of this run: {','.join(default)}")
+        suite = SUITES[args.suite]
+        which = (
+            ["--concurrent-clients", args.concurrent_clients]
+            if clients
+            else ["--batch-size", args.batch_size]
+        )
+        parts = ["specsplit", "bench", "--suite", args.suite, "--device", device, *which,
+                 "--dtype", args.dtype or "auto", "--decoders", ",".join(decoders)]  # fmt: skip
+        for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
+                            ("--threads", args.threads), ("--target", args.target), ("--tag", args.tag)):  # fmt: skip
+            if value not in (None, ""):
+                parts += [flag, str(value)]
+        parts += [f for f, on in (("--cuda-graphs", args.cuda_graphs), ("--compile", args.compile)) if on]
+        opts = BatchBenchOptions(
+            batch_sizes=sizes,
+            clients=clients,
+            device=device,
+            target=args.target,
+            dtype=args.dtype or "auto",
+            tiny=suite.tiny,
+            max_new_tokens=args.max_new_tokens or suite.max_new_tokens,
+            repeats=args.repeats or suite.repeats,
+            decoders=decoders,
+            cuda_graphs=args.cuda_graphs,
+            compile=args.compile,
+            threads=args.threads,
+            prompts_dir=args.prompts,
+            out=args.out,
+            tag=args.tag,
+            command=shlex.join(parts),
+            notes=list(args.note),
+        )
+        result = run_batch_bench(opts)
+    except ValueError as e:
+        print(f"specsplit bench: error: {e}", file=sys.stderr)
+        return 2
+    print(batch_markdown(result))
     for kind, path in result["files"].items():
         print(f"wrote {kind}: {path}")
     return 0

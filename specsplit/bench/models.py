@@ -129,6 +129,7 @@ def load_models(
     target_name: str | None = None,
     draft_name: str | None = None,
     dtype_name: str = "auto",
+    with_draft: bool = True,
 ) -> BenchModels:
     """Load the models every decoder shares.
 
@@ -139,6 +140,7 @@ def load_models(
         target_name: target alias or directory (default the Qwen 1.5B).
         draft_name: draft alias or directory, or ``self:N`` (the target's first N layers).
         dtype_name: ``auto`` (bf16 on CUDA, fp32 on CPU) or a dtype name.
+        with_draft: load a draft (off: ``draft`` is None and ``draft_name`` empty).
 
     Raises:
         ValueError: a non-default target without a draft, or a ``self:N`` draft on another device.
@@ -158,20 +160,31 @@ def load_models(
 
     draft_name = draft_name or (DEFAULT_DRAFT if target_name in (None, DEFAULT_TARGET) else "")
     target_name = target_name or DEFAULT_TARGET
-    if not draft_name:
+    if not with_draft:
+        draft_name = ""
+    elif not draft_name:
         raise ValueError("--draft is needed with a non-default --target (an alias, a path or self:N)")
     t0 = time.perf_counter()
     target = load_model(target_name, dtype=dtype, device=device)
-    if draft_name.startswith("self:"):
+    draft: Any = None
+    if not draft_name:
+        pass
+    elif draft_name.startswith("self:"):
         if draft_device != device:
             raise ValueError("a self:N draft shares the target's weights: it cannot use another device")
-        draft: Any = truncated_draft(target, int(draft_name.split(":", 1)[1]))
+        draft = truncated_draft(target, int(draft_name.split(":", 1)[1]))
         # the shallow copy shares the target's generation config; HF assisted generation edits the draft's
         draft.generation_config = copy.deepcopy(target.generation_config)
     else:
         draft = load_model(draft_name, dtype=dtype, device=draft_device)
     tok = load_tokenizer(target_name)
-    logger.info("loaded %s and %s (%s) in %.1f s", target_name, draft_name, dtype, time.perf_counter() - t0)
+    logger.info(
+        "loaded %s and %s (%s) in %.1f s",
+        target_name,
+        draft_name or "no draft",
+        dtype,
+        time.perf_counter() - t0,
+    )
     eos = target.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:

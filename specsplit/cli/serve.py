@@ -130,6 +130,21 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "(ngram, suffix: no draft worker needed), or both (hybrid, auto)",
     )
     p.add_argument(
+        "--max-batch",
+        type=int,
+        default=0,
+        help="target: rows a batched round holds: concurrent Generate calls (grpc_loop='target') that need "
+        "no draft worker (n-gram drafting, or target-only) share one target forward per round "
+        "(continuous batching); 0 (default): each call runs its own rounds",
+    )
+    p.add_argument(
+        "--batch-capacity",
+        type=int,
+        default=4096,
+        help="target, with --max-batch: positions (prompt + new tokens) a batched row may need; longer "
+        "generations run their own rounds",
+    )
+    p.add_argument(
         "--draft-timeout",
         type=float,
         default=None,
@@ -272,7 +287,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from specsplit.config import DraftConfig, TargetConfig
+    from specsplit.config import BATCH_LIMIT, DraftConfig, TargetConfig
     from specsplit.errors import ConfigError
     from specsplit.remote.admission import AdmissionLimits
     from specsplit.remote.server import ServerLimits
@@ -312,6 +327,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
     if args.drafter is not None:
         draft_peer["drafter"] = args.drafter
+    if args.max_batch:
+        if args.role == "draft":
+            raise ConfigError("--max-batch and --batch-capacity are target options")
+        if not 0 <= args.max_batch <= BATCH_LIMIT or args.batch_capacity < 16:
+            raise ConfigError(f"--max-batch must be in 0..{BATCH_LIMIT} and --batch-capacity >= 16")
+        draft_peer |= {"max_batch": args.max_batch, "batch_capacity": args.batch_capacity}
     if args.draft_address:
         draft_peer |= {
             "draft_address": args.draft_address,

@@ -116,7 +116,7 @@ class _Estimate:
         return statistics.median(self.samples)
 
 
-class _Curve:
+class RoundCosts:
     """Verification seconds by tree size: a robust estimate per measured size, interpolated between
     sizes and extrapolated beyond them; sizes measured fewer than twice borrow from the others.
 
@@ -131,6 +131,15 @@ class _Curve:
 
     def add(self, n: int, seconds: float) -> None:
         self.sizes.setdefault(n, _Estimate(skip_first=self._skip_first)).add(seconds)
+
+    def trusted(self, n: int) -> bool:
+        """Size ``n`` has enough samples of its own that one stall is not its estimate."""
+        est = self.sizes.get(n)
+        return est is not None and est.trusted
+
+    def estimate(self, n: int) -> float | None:
+        """Seconds at size ``n`` (measured, interpolated or extrapolated; None before any sample)."""
+        return self(n)
 
     def __call__(self, n: int) -> float | None:
         est = self.sizes.get(n)
@@ -155,7 +164,7 @@ class _Curve:
 
 
 @dataclass
-class _Calibration:
+class Calibration:
     """How often n-gram nodes of a given proposal score end on the accepted path."""
 
     proposed: list[float] = field(default_factory=lambda: [0.0] * _CAL_BINS)
@@ -211,12 +220,12 @@ class CostModel:
         self.padded = padded
         self.sizes = tree_sizes(max_ngram, padded) if max_ngram > 0 else ()
         self.costs = costs
-        self.verify = _Curve(skip_first=padded)
+        self.verify = RoundCosts(skip_first=padded)
         self._fixed = _Estimate()
         self._model_cost = _Estimate()
         self.model_tau: float | None = None  # tokens a round with the model's tree alone
         self.merge_gain = 0.5  # share of the n-gram nodes' expected gain a merged tree keeps
-        self.cal = _Calibration()
+        self.cal = Calibration()
         self.rounds = 0
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._next_probe = 0

@@ -43,8 +43,9 @@ from specsplit.errors import (
     SessionNotFound,
     SpecSplitError,
 )
-from specsplit.messages import GenerateUpdate
-from specsplit.pipeline import OverlapPolicies, decode_rounds
+from specsplit.messages import GenerateRequest, GenerateUpdate
+from specsplit.pipeline import DecodeParams, OverlapPolicies, decode_rounds
+from specsplit.pipeline.batch import BatchRequest, BatchScheduler
 from specsplit.remote import convert
 from specsplit.remote._generated import spec_decoding_pb2 as pb
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
@@ -420,6 +421,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         tree_slots: bool = True,
         drafting: WorkerDrafting | None = None,
         admission: Admission | None = None,
+        batch: BatchScheduler | None = None,
     ):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
@@ -434,6 +436,18 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.loop = TargetLoopTransport(engine, draft, self._h.clamp_capacity, tree_slots, self._h.compute)
         self._policies = OverlapPolicies()  # the overlap policy per tree shape, across clients
         self._drafting = drafting or WorkerDrafting()
+        self._draft_worker = draft is not None
+        self.batch = batch  # concurrent Generate calls' rows share rounds here (None: each runs its own)
+
+    def _batched(self, req: GenerateRequest, params: DecodeParams) -> bool:
+        """Whether a ``Generate`` call's rows join the shared batched rounds: batching on, drafting
+        that needs no draft worker, and nothing the batched rounds do not apply."""
+        if self.batch is None or params.processing is not None or params.overlap:
+            return False
+        if params.drafter not in ("ngram", "suffix") and self._draft_worker:
+            return False  # the draft worker's model drafts these, one generation at a time
+        need = len(req.prompt_token_ids) + params.max_new_tokens + 1 + max(self.batch.planner.sizes)
+        return need <= self.batch.target.capacity
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
@@ -482,6 +496,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return req, params
 
         req, params = self._h.run(context, None, check)
+        if self._batched(req, params):
+            yield from self._generate_batched(req, params, context)
+            return
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
         # Each round goes to the client once the next round's draft is under way (defer_updates): the
         # hand-off to gRPC then overlaps the draft's GPU work instead of delaying its launch.
@@ -505,6 +522,29 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         except Exception as e:
             self._h.fail(context, e, req.session_id)
         done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
+        yield convert.generate_update_to_proto(done)
+
+    def _generate_batched(
+        self, req: GenerateRequest, params: DecodeParams, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        """``Generate`` through the shared batched rounds (:mod:`specsplit.pipeline.batch`): this
+        call's row joins the next round with a free slot; whichever waiting call is free runs the
+        rounds for all. A cancelled call drops its row at the end of the current round."""
+        assert self.batch is not None
+        ngram = None if params.drafter == "model" else params.ngram
+        t0 = time.perf_counter()
+        try:
+            with self._h.locks.hold(req.session_id):
+                ticket = self.batch.submit(BatchRequest(req.prompt_token_ids, params), ngram)
+                rounds = self.batch.follow(ticket)  # a generator: closing it cancels the row
+                try:
+                    for item in rounds:
+                        yield convert.generate_update_to_proto(GenerateUpdate([item]))
+                finally:
+                    rounds.close()  # a cancelled client: the row leaves at the end of this round
+        except Exception as e:
+            self._h.fail(context, e, req.session_id)
+        done = GenerateUpdate([], True, 0, False, time.perf_counter() - t0)
         yield convert.generate_update_to_proto(done)
 
     def EndSession(

@@ -19,8 +19,10 @@ from typing import Any
 import grpc
 import torch
 
-from specsplit.config import NgramConfig
+from specsplit.config import BATCH_LIMIT, NgramConfig
+from specsplit.engines.batched import BatchedTarget, batch_bucket
 from specsplit.errors import ConfigError, TransportError
+from specsplit.pipeline.batch import BatchScheduler
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
 from specsplit.remote.admission import Admission, AdmissionLimits, WorkerGate
 from specsplit.remote.client import AuthenticationError, GrpcTransport
@@ -62,6 +64,7 @@ class WorkerServer:
         self.engine = engine
         self.worker_type = worker_type
         self.admission = admission
+        self.batch: BatchScheduler | None = None  # a target worker's shared batched rounds, if on
         self._health = health
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -262,6 +265,8 @@ def serve_target(
     drafter: str = "model",
     ngram: NgramConfig | None = None,
     check_draft: bool = True,
+    max_batch: int = 0,
+    batch_capacity: int = 4096,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.engines.target.TargetEngine` (loaded) over gRPC; see :func:`serve_draft`.
 
@@ -281,6 +286,11 @@ def serve_target(
             (``SpecSplitConfig.drafter``); the n-gram drafters run on this worker, with no draft worker.
         ngram: how this worker's n-gram drafters propose trees.
         check_draft: ping the draft worker before serving.
+        max_batch: ``Generate`` calls that need no draft worker (n-gram drafting, or target-only)
+            share batched rounds, up to this many rows a round (continuous batching,
+            :mod:`specsplit.pipeline.batch`); ``0``: each call runs its own rounds.
+        batch_capacity: positions (prompt + new tokens) a batched row may need; the pool holds
+            ``max_batch`` of them. Longer generations run their own rounds.
 
     Raises:
         ConfigError: the draft worker refused this worker's token or TLS settings (with
@@ -303,8 +313,9 @@ def serve_target(
         and getattr(getattr(engine, "device", None), "type", "") == "cuda"
     )
     drafting = WorkerDrafting(drafter, ngram, padded=graphs)
+    batch = _batch_scheduler(engine, max_batch, batch_capacity, graphs, adm.limits.max_calls)
     servicer = TargetServicer(
-        engine, limits, draft, max_streams(adm.limits.max_calls), tree_slots, drafting, adm
+        engine, limits, draft, max_streams(adm.limits.max_calls), tree_slots, drafting, adm, batch
     )
     _limit_engine(engine, servicer._h, limits, tokens)
     try:
@@ -314,7 +325,21 @@ def serve_target(
         servicer.loop.close()
         raise
     server.on_stop.append(servicer.loop.close)
+    server.batch = batch
     return server
+
+
+def _batch_scheduler(
+    engine: Any, max_batch: int, capacity: int, graphs: bool, max_calls: int
+) -> BatchScheduler | None:
+    """The shared batched rounds of a target worker (None when ``max_batch`` < 2)."""
+    if max_batch < 2:
+        return None
+    pool = BatchedTarget(engine.runner, batch_bucket(max_batch, BATCH_LIMIT), capacity, use_graphs=graphs)
+    logger.info("batched rounds: %d rows of %d positions (%.2f GB of KV)", pool.slots, capacity,
+                pool.cache.memory_bytes() / 1e9)  # fmt: skip
+    # Rows past the open calls cannot wait: each waiting row is a call holding a request thread.
+    return BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
 
 
 def _check_draft(draft: GrpcTransport, address: str) -> None:

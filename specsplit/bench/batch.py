@@ -1,0 +1,429 @@
+"""``specsplit bench --batch-size B[,B...]``: aggregate throughput of batched generation, in one process.
+
+For each batch size ``B`` every decoder gets the same ``B`` prompts (the prompt set's categories
+interleaved, cycled when ``B`` is larger than the set) as one left-padded ``generate()`` call:
+
+- ``hf-batch``: Hugging Face ``generate()`` on the batch (one forward per token for all rows);
+- ``specsplit-plain``: SpecSplit without a draft (``B = 1``: our single-row target-only decode, CUDA
+  graphs and compile as set; ``B > 1``: batched one-token rounds);
+- ``specsplit-ngram``: SpecSplit with n-gram trees (``B > 1``: batched rounds sized by the batch
+  planner, which turns trees off where plain steps are faster).
+
+Each decoder is warmed up on the batch once (graph captures), then timed ``repeats`` times; the
+median is reported. Per row: time per token (its wall time, from joining the batch to its last
+token, over its tokens) as p50/p95 over the rows. Every SpecSplit row is compared with the same row
+of ``specsplit-plain`` at ``B = 1``'s path (the target's own greedy output).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specsplit.bench.models import BenchModels, load_models
+from specsplit.bench.report import machine_info, machine_slug, pyplot
+from specsplit.bench.run import BenchPrompt, load_prompts, smoke_prompts, tokenize_prompts
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "specsplit-bench-batch/1"
+BATCH_DECODERS = ("hf-batch", "specsplit-plain", "specsplit-ngram")
+CLIENT_DECODERS = ("grpc-plain", "grpc-ngram")  # concurrent clients of one batched target worker
+
+
+@dataclass
+class BatchBenchOptions:
+    """One batched bench run (the CLI fills it)."""
+
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    device: str = "cpu"
+    target: str | None = None
+    dtype: str = "auto"
+    tiny: bool = False
+    max_new_tokens: int = 128
+    repeats: int = 1
+    decoders: tuple[str, ...] = BATCH_DECODERS
+    cuda_graphs: bool = False
+    compile: bool = False
+    threads: int | None = None
+    clients: tuple[int, ...] = ()  # --concurrent-clients: client counts (instead of batch sizes)
+    prompts_dir: Path | None = None
+    out: Path = Path("benchmarks/results")
+    tag: str = ""
+    command: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def interleaved(prompts: list[BenchPrompt], n: int) -> list[BenchPrompt]:
+    """``n`` prompts taking the categories in turn (cycled when the set is smaller than ``n``)."""
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    order: list[BenchPrompt] = []
+    depth = max((len(v) for v in by_cat.values()), default=0)
+    for i in range(depth):
+        order += [v[i] for v in by_cat.values() if i < len(v)]
+    if not order:
+        raise ValueError("no prompts")
+    return [order[i % len(order)] for i in range(n)]
+
+
+def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def _until_eos(row: list[int], eos: list[int]) -> list[int]:
+    for i, t in enumerate(row):
+        if t in eos:
+            return row[: i + 1]
+    return row
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Decoder:
+    """One decoder of the batched bench: ``run(ids, mask) -> (rows of new tokens, per-row seconds)``."""
+
+    def __init__(self, name: str, m: BenchModels, opts: BatchBenchOptions):
+        self.name, self.m, self.opts = name, m, opts
+        self.gen: Any = None
+        if name != "hf-batch":
+            from specsplit import SpecSplitConfig, SpecSplitGenerator
+
+            cfg = SpecSplitConfig(drafter="ngram" if name == "specsplit-ngram" else "model", max_batch=128)
+            cfg.target.cuda_graphs = opts.cuda_graphs
+            cfg.target.compile = opts.compile
+            self.gen = SpecSplitGenerator(m.target, None, tokenizer=m.tokenizer, config=cfg)
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> tuple[list[list[int]], list[float]]:
+        m = self.m
+        gc = m.generation_config(max_new)
+        dev = self.opts.device
+        _sync(dev)
+        t0 = time.perf_counter()
+        if self.gen is None:
+            out = m.target.generate(ids.to(dev), attention_mask=mask.to(dev), generation_config=gc)
+            _sync(dev)
+            wall = time.perf_counter() - t0
+            rows = [_until_eos(r, m.eos_token_ids) for r in out[:, ids.shape[1] :].tolist()]
+            return rows, [wall] * len(rows)
+        res = self.gen.generate(ids, attention_mask=mask, generation_config=gc, return_dict_in_generate=True)
+        _sync(dev)
+        rows = [_until_eos(r, m.eos_token_ids) for r in res.sequences[:, ids.shape[1] :].tolist()]
+        return rows, [s.wall_time_s for s in res.per_sequence_stats]
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.close()
+
+
+def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
+    """Run every decoder at every batch size; write ``<out>/batch-<machine>-<date>[-tag].{json,md,png}``."""
+    known = CLIENT_DECODERS if opts.clients else BATCH_DECODERS
+    unknown = set(opts.decoders) - set(known)
+    if unknown:
+        raise ValueError(f"unknown decoders {sorted(unknown)} for this run; choose from {', '.join(known)}")
+    if any(b < 1 for b in opts.batch_sizes):
+        raise ValueError("batch sizes must be >= 1")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=False)
+    if opts.tiny:
+        prompts = smoke_prompts()
+    else:
+        prompts = load_prompts(
+            opts.prompts_dir or Path(__file__).resolve().parents[2] / "benchmarks" / "prompts"
+        )
+        tokenize_prompts(prompts, m.tokenizer)
+    # specsplit-plain first: its batch-1 rows are the reference the others are compared with.
+    names = sorted(opts.decoders, key=lambda d: d not in ("specsplit-plain", "grpc-plain"))
+    if opts.clients:
+        cells = _client_cells(m, prompts, opts)
+    else:
+        cells = _batch_cells(m, prompts, names, opts)
+    info = machine_info([opts.device])
+    info["slug"] = machine_slug(info)
+    now = time.gmtime()
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
+        "command": opts.command,
+        "notes": opts.notes,
+        "machine": info,
+        "config": {
+            "target": m.target_name,
+            "dtype": m.dtype,
+            "max_new_tokens": opts.max_new_tokens,
+            "repeats": opts.repeats,
+            "cuda_graphs": opts.cuda_graphs,
+            "compile": opts.compile,
+            "batch_sizes": sorted(set(opts.clients or opts.batch_sizes)),
+            "mode": "concurrent-clients" if opts.clients else "batch",
+            "decoders": list(opts.decoders),
+        },
+        "cells": cells,
+    }
+    _ratios(result)
+    kind = "clients" if opts.clients else "batch"
+    stem = f"{kind}-{info['slug']}-{time.strftime('%Y-%m-%d', now)}" + (f"-{opts.tag}" if opts.tag else "")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    files = {"json": opts.out / f"{stem}.json", "md": opts.out / f"{stem}.md"}
+    files["json"].write_text(json.dumps(result, indent=1), encoding="utf-8")
+    files["md"].write_text(batch_markdown(result), encoding="utf-8")
+    png = opts.out / f"{stem}.png"
+    if write_batch_plot(result, png):
+        files["png"] = png
+    result["files"] = {k: str(v) for k, v in files.items()}
+    return result
+
+
+def _batch_cells(
+    m: BenchModels, prompts: list[BenchPrompt], names: list[str], opts: BatchBenchOptions
+) -> list[dict[str, Any]]:
+    decoders = [_Decoder(d, m, opts) for d in names]
+    cells: list[dict[str, Any]] = []
+    reference: dict[str, list[int]] = {}  # prompt id -> the target's own tokens (single-row plain path)
+    try:
+        for b in sorted(set(opts.batch_sizes)):
+            batch = interleaved(prompts, b)
+            ids, mask = _left_padded([p.input_ids for p in batch], m.pad_token_id)
+            for dec in decoders:
+                cells.append(_cell(dec, b, batch, ids, mask, opts, reference))
+    finally:
+        for dec in decoders:
+            dec.close()
+    return cells
+
+
+def _client_cells(
+    m: BenchModels, prompts: list[BenchPrompt], opts: BatchBenchOptions
+) -> list[dict[str, Any]]:
+    """``N`` clients at once, each with its own generator over gRPC (``grpc_loop="target"``, one thread
+    and one ``Generate`` call per client) against ONE target worker in this process that batches
+    concurrent calls (``max_batch`` = the largest N)."""
+    from specsplit import SpecSplitConfig, SpecSplitGenerator, TargetEngine
+    from specsplit.config import Drafter, TargetConfig
+    from specsplit.remote import serve_target
+    from specsplit.remote.admission import AdmissionLimits
+
+    most = max(opts.clients)
+    need = max(len(p.input_ids) for p in prompts) + opts.max_new_tokens + 64
+    engine = TargetEngine(m.target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile))
+    limits = AdmissionLimits(max_calls=most + 4, max_queued=most + 4)
+    srv = serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
+                       batch_capacity=-(-need // 256) * 256)  # fmt: skip
+    cells: list[dict[str, Any]] = []
+    try:
+        for name in [d for d in opts.decoders if d in CLIENT_DECODERS]:
+            drafter: Drafter = "ngram" if name == "grpc-ngram" else "model"
+            for n in sorted(set(opts.clients)):
+                rows = interleaved(prompts, n)
+                gens = [SpecSplitGenerator(tokenizer=m.tokenizer, config=SpecSplitConfig(
+                    transport="grpc", grpc_loop="target", target_address=srv.address, drafter=drafter,
+                    timeout_s=600.0)) for _ in range(n)]  # fmt: skip
+                try:
+                    logger.info("%d clients: %s (warm-up)", n, name)
+                    _clients_once(gens, rows, m, opts.max_new_tokens)
+                    wall, per = _clients_once(gens, rows, m, opts.max_new_tokens)
+                finally:
+                    for g in gens:
+                        g.close()
+                tokens = sum(t for t, _ in per)
+                speeds = sorted(t / s for t, s in per if s > 0)
+                tpt = sorted(1e3 * s / max(t, 1) for t, s in per)
+                cells.append({
+                    "decoder": name, "batch": n, "wall_s": wall, "walls_s": [wall], "tokens": tokens,
+                    "tok_s": tokens / wall if wall > 0 else 0.0,
+                    "row_ms_per_token_p50": tpt[len(tpt) // 2],
+                    "row_ms_per_token_p95": tpt[min(len(tpt) - 1, int(round(0.95 * (len(tpt) - 1))))],
+                    "client_tok_s_min": speeds[0] if speeds else 0.0,
+                    "client_tok_s_max": speeds[-1] if speeds else 0.0,
+                    "rows_checked": 0, "rows_identical": 0,
+                    "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                })  # fmt: skip
+                logger.info("%d clients: %s %.1f tok/s (client min %.1f, max %.1f)", n, name,
+                            cells[-1]["tok_s"], cells[-1]["client_tok_s_min"], cells[-1]["client_tok_s_max"])  # fmt: skip
+    finally:
+        srv.stop(grace=1.0)
+    return cells
+
+
+def _clients_once(
+    gens: list[Any], rows: list[BenchPrompt], m: BenchModels, max_new: int
+) -> tuple[float, list[tuple[int, float]]]:
+    """Every client generates its prompt at once; ``(wall, [(tokens, seconds)] per client)``."""
+    import threading
+
+    gc = m.generation_config(max_new)
+    start = threading.Barrier(len(gens) + 1)
+    per: list[tuple[int, float]] = [(0, 0.0)] * len(gens)
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        try:
+            out = gens[i].generate(torch.tensor([rows[i].input_ids]), generation_config=gc)
+            per[i] = (len(_until_eos(out[0, len(rows[i].input_ids) :].tolist(), m.eos_token_ids)),
+                      time.perf_counter() - t0)  # fmt: skip
+        except BaseException as e:  # reported after the others finish
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(gens))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, per
+
+
+def _cell(
+    dec: _Decoder,
+    b: int,
+    batch: list[BenchPrompt],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    opts: BatchBenchOptions,
+    reference: dict[str, list[int]],
+) -> dict[str, Any]:
+    logger.info("batch %d: %s (warm-up)", b, dec.name)
+    dec.run(ids, mask, opts.max_new_tokens)  # graph captures, compiles, allocator warm-up
+    walls: list[float] = []
+    rows: list[list[int]] = []
+    per_row: list[float] = []
+    for _ in range(opts.repeats):
+        t0 = time.perf_counter()
+        rows, per_row = dec.run(ids, mask, opts.max_new_tokens)
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
+    tokens = sum(len(r) for r in rows)
+    tpt = sorted(s / max(len(r), 1) for s, r in zip(per_row, rows, strict=True))
+    if dec.name == "specsplit-plain" and b == 1:
+        reference[batch[0].id] = rows[0]
+    same = [reference[p.id] == r for p, r in zip(batch, rows, strict=True) if p.id in reference]
+    cell = {
+        "decoder": dec.name,
+        "batch": b,
+        "wall_s": wall,
+        "walls_s": walls,
+        "tokens": tokens,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "row_ms_per_token_p50": 1e3 * tpt[len(tpt) // 2],
+        "row_ms_per_token_p95": 1e3 * tpt[min(len(tpt) - 1, int(round(0.95 * (len(tpt) - 1))))],
+        "rows_checked": len(same),
+        "rows_identical": sum(same),
+    }
+    logger.info("batch %d: %s %.1f tok/s", b, dec.name, cell["tok_s"])
+    return cell
+
+
+def _ratios(result: dict[str, Any]) -> None:
+    """Each cell's throughput over the same decoder at batch 1 and over hf-batch at its batch size."""
+    by = {(c["decoder"], c["batch"]): c for c in result["cells"]}
+    for c in result["cells"]:
+        one = by.get((c["decoder"], 1))
+        hf = by.get(("hf-batch", c["batch"]))
+        plain = by.get(("specsplit-plain", 1))
+        c["x_batch1"] = c["tok_s"] / one["tok_s"] if one and one["tok_s"] else None
+        c["x_hf_batch"] = c["tok_s"] / hf["tok_s"] if hf and hf["tok_s"] else None
+        c["x_plain1"] = c["tok_s"] / plain["tok_s"] if plain and plain["tok_s"] else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def batch_markdown(result: dict[str, Any]) -> str:
+    cfg, mach = result["config"], result["machine"]
+    gpus = ", ".join(g["name"] for g in mach.get("gpus") or []) or f"CPU ({mach.get('cpu_cores')} cores)"
+    lines = [
+        f"# Batched generation: {cfg['target']} ({cfg['dtype']}) on {gpus}",
+        "",
+        f"`{result['command']}` — {result['created_utc']}, {cfg['max_new_tokens']} new tokens a row, "
+        f"median of {cfg['repeats']}; CUDA graphs {'on' if cfg['cuda_graphs'] else 'off'}, "
+        f"compile {'on' if cfg['compile'] else 'off'}.",
+        "",
+        "| batch | decoder | tok/s (all rows) | x same decoder at batch 1 | x hf-batch | x our target-only at batch 1 "
+        "| row ms/token p50 / p95 | rows = target-only batch 1 |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    if cfg.get("mode") == "concurrent-clients":
+        return _clients_markdown(result, lines[:4])
+    for c in result["cells"]:
+        lines.append(
+            f"| {c['batch']} | {c['decoder']} | {c['tok_s']:.1f} | {_fmt(c['x_batch1'], '.2f')} | "
+            f"{_fmt(c['x_hf_batch'], '.2f')} | {_fmt(c['x_plain1'], '.2f')} | "
+            f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
+            f"{c['rows_identical']}/{c['rows_checked']} |"
+        )
+    lines += ["", *(f"- {n}" for n in result.get("notes", []))]
+    return "\n".join(lines) + "\n"
+
+
+def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
+    by = {(c["decoder"], c["batch"]): c for c in result["cells"]}
+    lines = head + [
+        "| clients | decoder | tok/s (all clients) | x 1 client | slowest client / 1 client | fastest / slowest "
+        "client | client ms/token p50 / p95 | peak GPU memory |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in result["cells"]:
+        one = by.get((c["decoder"], 1))
+        single = one["tok_s"] if one else None
+        slow, fast = c.get("client_tok_s_min") or 0.0, c.get("client_tok_s_max") or 0.0
+        mem = c.get("peak_gpu_bytes")
+        lines.append(
+            f"| {c['batch']} | {c['decoder']} | {c['tok_s']:.1f} | {_fmt(c['x_batch1'], '.2f')} | "
+            f"{_fmt(slow / single if single else None, '.2f')} | {_fmt(fast / slow if slow else None, '.2f')} | "
+            f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
+            f"{'-' if mem is None else format(mem / 2**30, '.1f') + ' GiB'} |"
+        )
+    lines += ["", *(f"- {n}" for n in result.get("notes", []))]
+    return "\n".join(lines) + "\n"
+
+
+def write_batch_plot(result: dict[str, Any], path: Path) -> bool:
+    """Aggregate tok/s against the batch size, one line per decoder (log-log)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for d in result["config"]["decoders"]:
+        pts = sorted((c["batch"], c["tok_s"]) for c in result["cells"] if c["decoder"] == d)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    clients = result["config"].get("mode") == "concurrent-clients"
+    ax.set_xlabel(
+        "concurrent clients (one target worker)" if clients else "batch size (rows per generate() call)"
+    )
+    ax.set_ylabel("tokens/s, all rows")
+    ax.set_title(f"{result['config']['target']} ({result['config']['dtype']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,399 @@
+"""Batched verification: one target forward for the trees of many sequences.
+
+:class:`BatchedTarget` keeps up to ``slots`` sequences in one
+:class:`~specsplit.runtime.batched_kv.BatchedKVCache` and runs a round for all of them at once: each
+row feeds its pending token (the last committed one, whose KV is not written yet) and its own tree,
+padded to the round's common node count; one forward with a per-row additive mask (the row's
+context, then its pending token and the ancestors of each node), per-row positions and per-row
+write slots; greedy or lossless sampled acceptance for every row at once (ragged: each row accepts
+its own path); the accepted KV of each row moved behind its pending token; ONE host read of every
+row's outcome.
+
+On CUDA a round's static part (inputs written from one staging copy, mask, forward, and for greedy
+rounds the argmax, acceptance and KV move) is captured once per (batch bucket, tree size, KV bucket)
+as one CUDA graph, so every row of every batch size is on the graph path. Batches are padded to a
+power of two: padding rows sit in free slots, attend only to themselves and are never read.
+
+Sampling draws by position (:func:`~specsplit.core.sampling.position_noise` with each row's own
+seed), so a row commits exactly the tokens its single-row generation with the same seed commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from specsplit.core.pinned import CAPTURE_LOCK, empty_pinned
+from specsplit.core.sampling import SamplingParams, logits_to_probs, position_noise
+from specsplit.errors import ResourceExhausted
+from specsplit.runtime.attention import FOLD_KWARG
+from specsplit.runtime.batched_kv import BatchedKVCache
+from specsplit.runtime.graphs import kv_bucket
+from specsplit.runtime.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PREFILL_TOKENS = 8192  # most prompt tokens one batched prefill forward takes (rows are grouped)
+PREFILL_SLACK = 1.25  # a prefill group's padded size over its real tokens, at most
+
+
+def batch_bucket(b: int, slots: int) -> int:
+    """The padded batch size of ``b`` rows (a power of two, at most ``slots``)."""
+    return min(next((x for x in BATCH_BUCKETS if x >= b), b), slots)
+
+
+@dataclass
+class RowTree:
+    """One row's round: what its slot holds, its pending token and its tree (host lists, BFS order,
+    ``parents[i] < i``, -1 = child of the pending token)."""
+
+    length: int
+    pending: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    seed: int | None = None  # verification seed (sampling)
+
+
+@dataclass
+class RowOutcome:
+    """What a row committed: accepted node indices and tokens, then the target's own token."""
+
+    nodes: list[int]
+    tokens: list[int]
+    next_token: int
+
+
+@dataclass
+class _Round:
+    """Static buffers (and graph) of one (batch bucket, nodes, KV bucket) round shape."""
+
+    stage: torch.Tensor  # [B, W] int64 inputs, written from one pinned host copy
+    host: torch.Tensor  # [B, W] pinned twin of ``stage``
+    mask: torch.Tensor  # [B, 1, Q, R]
+    ids: torch.Tensor  # [B, Q]
+    pos: torch.Tensor  # [B, Q]
+    wpos: torch.Tensor  # [B, Q]
+    greedy: bool
+    out: torch.Tensor | None = None  # greedy: [B, 2 + 2N] packed outcome; sampled: logits [B, Q, V]
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class BatchedTarget:
+    """Many sequences' rounds in one target forward (see the module docstring).
+
+    Args:
+        runner: the target's model runner (a single-device model).
+        slots: sequences held at once (the largest batch).
+        capacity: tokens per sequence (prompt + new tokens + the largest tree).
+        use_graphs: capture CUDA graphs (CUDA only).
+    """
+
+    def __init__(self, runner: ModelRunner, slots: int, capacity: int, use_graphs: bool = True):
+        model = runner.require()
+        devices: dict[str, Any] = getattr(model, "hf_device_map", None) or {}
+        if len(set(devices.values())) > 1:
+            raise ResourceExhausted("batched rounds need the target on one device (no device map)")
+        self.runner = runner
+        self.device = runner.input_device
+        self.cache = BatchedKVCache.for_model(model, runner.dtype, self.device, slots, capacity)
+        self.slots, self.capacity = slots, capacity
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._rounds: dict[tuple[int, int, int, bool], _Round] = {}
+        self._ar = torch.arange(capacity, device=self.device)
+        self._neg = torch.finfo(runner.dtype).min
+        self._pool: Any = None
+        if self.use_graphs:
+            with torch.cuda.device(self.device):
+                self._pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.lock = threading.Lock()  # one round at a time on this pool
+        # On CUDA the rounds' attention folds each KV head's query group into its rows and attends
+        # through two matmuls (specsplit.runtime.attention): every row's K/V is read once, where
+        # the SDPA path would first copy it to every query head of every row.
+        self.attention_kwargs = dict(runner.attention_kwargs)
+        if self.attention_kwargs and self.device.type == "cuda":
+            self.attention_kwargs[FOLD_KWARG] = "math"
+
+    def fits(self, slots: int, capacity: int) -> bool:
+        return slots <= self.slots and capacity <= self.capacity
+
+    # ------------------------------------------------------------------ prompts
+    @torch.inference_mode()
+    def prefill(self, first_slot: int, prompts: list[list[int]]) -> None:
+        """Write the KV of ``prompts`` (one per slot from ``first_slot``) in batched forwards of at
+        most :data:`PREFILL_TOKENS` padded tokens. Rows shorter than the longest write past their
+        length (slots their next forward overwrites) and attend only to their own tokens."""
+        i = 0
+        while i < len(prompts):
+            j, longest, total = i + 1, len(prompts[i]), len(prompts[i])
+            while j < len(prompts):
+                wider = max(longest, len(prompts[j]))
+                rows = j + 1 - i
+                # A group pads every row to its longest: keep it within the token budget and the
+                # padding within a quarter of the real tokens (callers sort rows by length).
+                if wider * rows > PREFILL_TOKENS or wider * rows > PREFILL_SLACK * (total + len(prompts[j])):
+                    break
+                longest, total, j = wider, total + len(prompts[j]), j + 1
+            self._prefill_group(first_slot + i, prompts[i:j], longest)
+            i = j
+
+    def _prefill_group(self, first: int, prompts: list[list[int]], width: int) -> None:
+        if width == 0:
+            return
+        if width > self.capacity:
+            raise ResourceExhausted(f"a prompt of {width} tokens does not fit {self.capacity} slots")
+        k, dev = len(prompts), self.device
+        ids = torch.zeros(k, width, dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        for r, p in enumerate(prompts):
+            if p:
+                ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ar = torch.arange(width)
+        causal = ar[None, :] <= ar[:, None]  # [q, kv]
+        seen = causal[None] & (ar[None, None, :] < lens[:, None, None])  # [k, q, kv]
+        seen |= torch.eye(width, dtype=torch.bool)[None]  # padding rows: themselves (finite, unread)
+        mask = torch.where(seen, 0.0, self._neg).to(self.runner.dtype)[:, None]
+        pos = ar[None].expand(k, width)
+        wpos = pos.to(dev)
+        self.cache.bind(wpos, width, first)
+        try:
+            self._model_call(ids.to(dev), pos.to(dev), mask.to(dev), 1)
+        finally:
+            self.cache.bind(None)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Hand slot ``src``'s first ``length`` positions to slot ``dst`` (a row leaving the batch
+        gives its slot to the last row, so live rows stay packed at the front)."""
+        self.cache.move_slot(src, dst, length)
+
+    # ------------------------------------------------------------------ rounds
+    @torch.inference_mode()
+    def round(self, rows: list[RowTree], sampling: SamplingParams, nodes: int) -> list[RowOutcome]:
+        """One round for ``rows`` (slots ``0 .. len(rows) - 1``), every tree padded to ``nodes``.
+
+        Each row's cache then holds its committed length + 1 (the pending token) + its accepted
+        nodes; the caller tracks the lengths."""
+        b = len(rows)
+        if not 0 < b <= self.slots:
+            raise ValueError(f"a round takes 1..{self.slots} rows, got {b}")
+        n = max([nodes] + [len(r.tokens) for r in rows])
+        q = 1 + n
+        end = max(r.length for r in rows) + q
+        if end > self.capacity:
+            raise ResourceExhausted(f"a round needs {end} positions; a slot holds {self.capacity}")
+        bp = batch_bucket(b, self.slots)
+        greedy = not sampling.do_sample
+        rnd = self._round_buffers(bp, n, kv_bucket(end, self.capacity), greedy)
+        self._stage(rnd, rows, n)
+        if self.use_graphs and rnd.graph is None:
+            self._capture(rnd, n, sampling)
+        if rnd.graph is not None:
+            with torch.cuda.device(self.device):
+                rnd.graph.replay()
+            self.runner.forward_count += 1
+            assert rnd.out is not None
+            out = rnd.out
+        else:
+            out = self._body(rnd, n, sampling)
+        if not greedy:
+            out = self._decide_sampled(rnd, out, rows, sampling, n)
+        packed = read_outcome(out[:b])  # the round's one host read
+        return [_outcome(row, n) for row in packed]
+
+    def _round_buffers(self, bp: int, n: int, kv: int, greedy: bool) -> _Round:
+        key = (bp, n, kv, greedy)
+        rnd = self._rounds.get(key)
+        if rnd is None:
+            q, dev = 1 + n, self.device
+            width = _width(q, n)
+            host = (
+                empty_pinned(bp * width, torch.long)
+                if dev.type == "cuda"
+                else torch.empty(bp * width, dtype=torch.long)
+            )
+            rnd = self._rounds[key] = _Round(
+                stage=torch.zeros(bp, width, dtype=torch.long, device=dev),
+                host=host.view(bp, width),
+                mask=torch.zeros(bp, 1, q, kv, dtype=self.runner.dtype, device=dev),
+                ids=torch.zeros(bp, q, dtype=torch.long, device=dev),
+                pos=torch.zeros(bp, q, dtype=torch.long, device=dev),
+                wpos=torch.zeros(bp, q, dtype=torch.long, device=dev),
+                greedy=greedy,
+            )
+        return rnd
+
+    def _stage(self, rnd: _Round, rows: list[RowTree], n: int) -> None:
+        """Every row's inputs into the pinned buffer (numpy), then one copy to the device."""
+        host = rnd.host.numpy()
+        q = 1 + n
+        bp = host.shape[0]
+        host[:] = 0
+        a0 = 1 + 2 * q
+        p0 = a0 + q * q
+        anc = host[:, a0:p0].reshape(bp, q, q)
+        anc[:, np.arange(q), np.arange(q)] = 1  # padding rows and nodes see themselves
+        host[:, 1 + q : a0] = 1  # padding nodes: depth 1
+        host[:, p0 + n : p0 + 2 * n] = -1  # padding nodes never match
+        for i, r in enumerate(rows):
+            k = len(r.tokens)
+            host[i, 0] = r.length
+            host[i, 1] = r.pending
+            host[i, 1 + q] = 0
+            anc[i, :, 0] = 1  # every row of a real sequence sees its pending token
+            if k:
+                host[i, 2 : 2 + k] = r.tokens
+                host[i, 2 + q : 2 + q + k] = r.depths
+                par = np.asarray(r.parents, dtype=np.int64)
+                host[i, p0 : p0 + k] = par + 1
+                host[i, p0 + n : p0 + n + k] = r.tokens
+                for j in range(k):  # a node sees its parent's row (ancestors, pending) and itself
+                    if par[j] >= 0:
+                        anc[i, 1 + j, 1 : 1 + j] = anc[i, 1 + par[j], 1 : 1 + j]
+        rnd.stage.copy_(rnd.host, non_blocking=True)
+
+    def _body(self, rnd: _Round, n: int, sampling: SamplingParams) -> torch.Tensor:
+        """Device ops only (captured as the round's graph): inputs from the staged buffer, mask,
+        forward; greedy rounds also decide, accept and move the KV (a packed outcome); sampled
+        rounds return the logits."""
+        logits = self._fill_forward(rnd, n)
+        if not rnd.greedy:
+            return logits
+        return self._accept(rnd, logits.argmax(dim=-1), n)
+
+    def _fill_forward(self, rnd: _Round, n: int) -> torch.Tensor:
+        st = rnd.stage
+        bp, q, kv = rnd.ids.shape[0], 1 + n, rnd.mask.shape[-1]
+        a0 = 1 + 2 * q
+        lens = st[:, :1]  # [B, 1]
+        anc = st[:, a0 : a0 + q * q].view(bp, q, q) > 0
+        rnd.ids.copy_(st[:, 1 : 1 + q])
+        torch.add(st[:, 1 + q : a0], lens, out=rnd.pos)
+        torch.add(self._ar[:q][None], lens, out=rnd.wpos)
+        rel = self._ar[:kv][None] - lens  # [B, kv] position relative to the pending token's slot
+        in_block = (rel >= 0) & (rel < q)
+        seen = anc.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(bp, q, kv)) & in_block[:, None, :]
+        seen |= (rel < 0)[:, None, :]
+        rnd.mask[:, 0].copy_(torch.where(seen, 0.0, self._neg))
+        self.cache.bind(rnd.wpos, kv, 0)
+        try:
+            return self._model_call(rnd.ids, rnd.pos, rnd.mask, q)
+        finally:
+            self.cache.bind(None)
+
+    def _model_call(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int
+    ) -> torch.Tensor:
+        out = self.runner.require()(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+            **self.attention_kwargs,
+        )
+        self.runner.forward_count += 1
+        logits: torch.Tensor = out.logits
+        return logits
+
+    def _accept(self, rnd: _Round, choice: torch.Tensor, n: int) -> torch.Tensor:
+        """Per row: the longest path of nodes whose token equals its parent row's ``choice``, the
+        choice after it, and the KV of that path moved behind the pending token. Returns `[B, 2 +
+        2N]` int64: accepted count, next token, path (node indices, -1 padded), path tokens."""
+        bp = choice.shape[0]
+        dev = choice.device
+        if n == 0:
+            zero = torch.zeros(bp, 1, dtype=torch.long, device=dev)
+            return torch.cat([zero, choice[:, :1]], dim=1)
+        st = rnd.stage
+        p0 = 1 + 2 * (1 + n) + (1 + n) ** 2
+        par_row = st[:, p0 : p0 + n]  # [B, N] parent's row (0: the pending token)
+        match_tok = st[:, p0 + n : p0 + 2 * n]  # [B, N] token, -1 for padding
+        match = match_tok == choice.gather(1, par_row)
+        idx = torch.arange(n, device=dev)[None].expand(bp, n)
+        cand = torch.where(match, idx, n)
+        first = torch.full((bp, 1 + n), n, dtype=torch.long, device=dev)
+        first = first.scatter_reduce(1, par_row, cand, reduce="amin")  # first accepted child per row
+        row = torch.zeros(bp, 1, dtype=torch.long, device=dev)
+        count = torch.zeros(bp, 1, dtype=torch.long, device=dev)
+        steps = []
+        for _ in range(n):
+            child = first.gather(1, row)
+            ok = child < n
+            steps.append(torch.where(ok, child, -1))
+            count += ok.long()
+            row = torch.where(ok, child + 1, row)
+        path = torch.cat(steps, dim=1)  # [B, N]
+        toks = torch.where(path >= 0, rnd.ids.gather(1, path.clamp_min(0) + 1), -1)
+        nxt = choice.gather(1, row)
+        # KV: accepted node at depth d moves to the slot right after the pending token + d.
+        base = st[:, :1] + 1
+        dst = base + idx
+        src = torch.where(path >= 0, base + path.clamp_min(0), dst)
+        self.cache.keep_paths(src, dst)
+        return torch.cat([count, nxt, path, toks], dim=1)
+
+    def _decide_sampled(
+        self, rnd: _Round, logits: torch.Tensor, rows: list[RowTree], sampling: SamplingParams, n: int
+    ) -> torch.Tensor:
+        """Sampled rounds: each row's choice is ``argmax(p / noise)`` with the noise of its own seed
+        and absolute positions; then the same acceptance as greedy rounds."""
+        bp, q, vocab = logits.shape
+        probs = logits_to_probs(logits, sampling)  # [B, Q, V] float32
+        depth = rnd.stage[:, 1 + q : 1 + 2 * q]  # [B, Q] (padding rows: zeros and ones)
+        noise = torch.ones(bp, n + 1, vocab, dtype=torch.float32, device=logits.device)
+        for i, r in enumerate(rows):
+            if r.seed is None:
+                noise[i].exponential_(1.0).clamp_min_(1e-20)
+            else:
+                noise[i] = position_noise(r.seed, r.length + 1, n + 1, vocab, logits.device)
+        per_row = noise.gather(1, depth[..., None].clamp_max(n).expand(bp, q, vocab))
+        choice = (probs / per_row).argmax(dim=-1)
+        return self._accept(rnd, choice, n)
+
+    def _capture(self, rnd: _Round, n: int, sampling: SamplingParams) -> None:
+        """Capture the round's static part (warm-up runs write only positions past each row's
+        committed length: a staged round never moves committed KV)."""
+        with CAPTURE_LOCK, torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            snapshot = rnd.stage.clone()
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    rnd.stage.copy_(snapshot)
+                    self._body(rnd, n, sampling)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            rnd.stage.copy_(snapshot)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                rnd.out = self._body(rnd, n, sampling)
+            rnd.graph = graph
+            self.captures += 1
+            logger.info(
+                "captured a batched round graph: %d rows x %d nodes over %d key slots",
+                rnd.ids.shape[0], n, rnd.mask.shape[-1],
+            )  # fmt: skip
+
+
+def read_outcome(packed: torch.Tensor) -> list[list[int]]:
+    """The one device-to-host read of a round: every row's packed outcome."""
+    rows: list[list[int]] = packed.tolist()
+    return rows
+
+
+def _width(q: int, n: int) -> int:
+    """Staged int64 values per row: length, Q tokens, Q depths, the Q x Q visibility block, N parent
+    rows and N match tokens."""
+    return 1 + 2 * q + q * q + 2 * n
+
+
+def _outcome(packed: list[int], n: int) -> RowOutcome:
+    m, nxt = packed[0], packed[1]
+    return RowOutcome(packed[2 : 2 + m], packed[2 + n : 2 + n + m], nxt)

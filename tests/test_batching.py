@@ -1,0 +1,332 @@
+"""Batched rounds: many rows in one target forward, exact against HF generate() row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator
+from specsplit.core.sampling import SamplingParams
+from specsplit.engines.batch_plan import BatchPlanner
+from specsplit.engines.batched import BatchedTarget, RowTree, batch_bucket
+from specsplit.engines.drafters import NgramDrafter
+from specsplit.pipeline.batch import BatchRequest, decode_batch
+from specsplit.pipeline.params import DecodeParams
+from specsplit.runtime.batched_kv import BatchedKVCache
+from specsplit.runtime.runner import ModelRunner
+
+EOS = 2
+# Repetitive rows (n-gram trees get accepted), an EOS-bound one and rows of different lengths.
+PROMPTS = [
+    [5, 17, 33, 81, 9, 100, 5, 17, 33, 81, 9],
+    [7, 7, 12],
+    [44, 3, 19, 250, 61, 62, 63, 64, 9],
+    [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2],
+    [90],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 11, 12, 13],
+]
+
+
+def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def _alone(model, prompt: list[int], n: int) -> list[int]:
+    """HF generate() of one prompt alone, new tokens up to and including EOS."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def _trim(row: list[int]) -> list[int]:
+    return row[: row.index(EOS) + 1] if EOS in row else row
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen"])
+@pytest.mark.parametrize("drafter", ["ngram", "auto", "target-only"])
+def test_batch_rows_equal_hf_alone(request, family, drafter):
+    """drafter="auto" with a draft model: batched rows draft n-grams; no draft model and drafter
+    "model": plain batched steps."""
+    target = request.getfixturevalue(f"{family}_target")
+    draft = request.getfixturevalue(f"{family}_draft_random") if drafter == "auto" else None
+    ids, mask = _left_padded(PROMPTS)
+    # 4 rows a round for 6 rows: two join as the first ones finish.
+    cfg = SpecSplitConfig(drafter="model" if drafter == "target-only" else drafter, max_batch=4)
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        before = gen.target_engine.forward_count
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=30, return_dict_in_generate=True)
+        assert gen._batched is not None  # the rows went through batched rounds
+        forwards = gen.target_engine.runner.forward_count - before
+    for b, p in enumerate(PROMPTS):
+        got = _trim(out.sequences[b, ids.shape[1] :].tolist())
+        assert got == _alone(target, p, 30), f"row {b}"
+    assert forwards <= sum(len(s.rounds) for s in out.per_sequence_stats) / 2
+    if drafter == "target-only":
+        assert all(r.tree_nodes == 0 for s in out.per_sequence_stats for r in s.rounds)
+
+
+def test_batched_equals_sequential_rows_and_counts_fewer_forwards(llama_target):
+    ids, mask = _left_padded(PROMPTS[:4])
+    outs, forwards = [], []
+    for max_batch in (0, 4):
+        with SpecSplitGenerator(
+            llama_target, None, config=SpecSplitConfig(drafter="ngram", max_batch=max_batch)
+        ) as gen:
+            before = gen.target_engine.runner.forward_count
+            outs.append(gen.generate(ids, attention_mask=mask, max_new_tokens=24))
+            forwards.append(gen.target_engine.runner.forward_count - before)
+    assert torch.equal(outs[0], outs[1])
+    # Sequential rows make a forward per row per round; batched rounds one per round (+ a prefill).
+    assert forwards[1] < forwards[0] / 2
+
+
+def test_rows_join_and_leave_with_their_own_limits(qwen_target):
+    """Per-row max_new_tokens (0, 1, and long ones) and EOS: rows leave at different rounds, the
+    waiting ones take their slots, every row stays exact."""
+    runner = ModelRunner(qwen_target, None, "cpu", None, "float32")
+    pool = BatchedTarget(runner, slots=4, capacity=128)
+    limits = [2, 40, 0, 25, 1, 33]
+    reqs = [
+        BatchRequest(p, DecodeParams(max_new_tokens=n, eos_token_ids=frozenset([EOS])))
+        for p, n in zip(PROMPTS, limits, strict=True)
+    ]
+    res = decode_batch(pool, reqs, max_batch=3, ngram=NgramDrafter(), planner=BatchPlanner(skip_first=False))
+    for (toks, stats), p, n in zip(res, PROMPTS, limits, strict=True):
+        assert toks == _trim(_alone(qwen_target, p, n)) if n else toks == []
+        assert stats.new_tokens == len(toks)
+
+
+def test_per_row_generators_sample_what_each_row_samples_alone(llama_target):
+    kw = dict(do_sample=True, temperature=0.9, top_p=0.9, max_new_tokens=20)
+    prompts = PROMPTS[:3]
+    ids, mask = _left_padded(prompts)
+    cfg = SpecSplitConfig(drafter="ngram", max_batch=4)
+    with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
+        gens = [torch.Generator().manual_seed(100 + b) for b in range(3)]
+        batch = gen.generate(ids, attention_mask=mask, generator=gens, **kw)
+        for b, p in enumerate(prompts):
+            alone = gen.generate(torch.tensor([p]), generator=torch.Generator().manual_seed(100 + b), **kw)
+            assert _trim(batch[b, ids.shape[1] :].tolist()) == _trim(alone[0, len(p) :].tolist())
+        # A different seed for one row changes that row only.
+        gens = [torch.Generator().manual_seed(s) for s in (100, 7, 102)]
+        other = gen.generate(ids, attention_mask=mask, generator=gens, **kw)
+        assert torch.equal(other[0], batch[0]) and torch.equal(other[2], batch[2])
+        assert not torch.equal(other[1], batch[1])
+        with pytest.raises(ValueError, match="one per row"):
+            gen.generate(ids, attention_mask=mask, generator=gens[:2], **kw)
+
+
+def test_shared_generator_matches_the_sequential_path(qwen_target):
+    ids, mask = _left_padded(PROMPTS)
+    kw = dict(do_sample=True, temperature=0.8, top_k=40, max_new_tokens=16)
+    outs = []
+    for max_batch in (0, 8):
+        with SpecSplitGenerator(
+            qwen_target, None, config=SpecSplitConfig(drafter="ngram", max_batch=max_batch)
+        ) as gen:
+            outs.append(
+                gen.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(5), **kw)
+            )
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_processors_keep_the_sequential_path(llama_target):
+    """Options applied row by row (here a repetition penalty) decode the rows one after another:
+    still exact, never silently dropped."""
+    ids, mask = _left_padded(PROMPTS[:3])
+    with SpecSplitGenerator(llama_target, None, config=SpecSplitConfig(drafter="ngram")) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=1.3)
+        assert gen._batched is None
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+    assert torch.equal(out, llama_target.generate(ids, attention_mask=mask, generation_config=gc))
+
+
+def test_pool_grows_for_a_bigger_batch(llama_target):
+    with SpecSplitGenerator(llama_target, None, config=SpecSplitConfig(drafter="ngram", max_batch=16)) as gen:
+        ids, mask = _left_padded(PROMPTS[:2])
+        gen.generate(ids, attention_mask=mask, max_new_tokens=4)
+        first = gen._batched
+        assert first is not None and first.slots == 16  # max_batch rows: concurrent calls share it
+        gen.generate(ids, attention_mask=mask, max_new_tokens=4)
+        assert gen._batched is first  # reused
+        ids, mask = _left_padded(PROMPTS)
+        gen.generate(ids, attention_mask=mask, max_new_tokens=300)
+        assert gen._batched is not first and gen._batched.capacity >= 313
+
+
+def test_batched_round_accepts_ragged_paths_and_moves_their_kv(llama_target):
+    """Rows accept different paths of branching trees; each row's KV then equals a plain forward
+    over its committed tokens."""
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    pool = BatchedTarget(runner, slots=4, capacity=64)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    pool.prefill(0, [p[:-1] for p in prompts])
+    truth = [_alone(llama_target, p, 4) for p in prompts]
+    # Row 0: the true path behind a wrong first sibling; row 1: a wrong root only; row 2: the true
+    # chain of 2 then a wrong token.
+    trees = [
+        RowTree(
+            len(prompts[0]) - 1,
+            prompts[0][-1],
+            [truth[0][0] + 1, truth[0][0], truth[0][1]],
+            [-1, -1, 1],
+            [1, 1, 2],
+        ),
+        RowTree(len(prompts[1]) - 1, prompts[1][-1], [truth[1][0] + 1], [-1], [1]),
+        RowTree(
+            len(prompts[2]) - 1,
+            prompts[2][-1],
+            [truth[2][0], truth[2][1], truth[2][2] + 1],
+            [-1, 0, 1],
+            [1, 2, 3],
+        ),
+    ]
+    out = pool.round(trees, SamplingParams(), 4)
+    assert [o.nodes for o in out] == [[1, 2], [], [0, 1]]
+    assert [o.tokens for o in out] == [truth[0][:2], [], truth[2][:2]]
+    assert [o.next_token for o in out] == [truth[0][2], truth[1][0], truth[2][2]]
+    for b, (p, o) in enumerate(zip(prompts, out, strict=True)):
+        committed = p + o.tokens
+        ref = llama_target(torch.tensor([committed]), use_cache=True).past_key_values
+        k_ref = ref.layers[0].keys[0]  # [H, T, D]
+        k_got = pool.cache.kv[0, 0, b, :, : len(committed)]
+        torch.testing.assert_close(k_got, k_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_slot_moves_and_limits():
+    cache = BatchedKVCache(2, 1, 4, torch.float32, torch.device("cpu"), slots=3, capacity=8)
+    cache.kv.normal_()
+    before = cache.kv[:, :, 2, :, :5].clone()
+    cache.move_slot(2, 0, 5)
+    assert torch.equal(cache.kv[:, :, 0, :, :5], before)
+    src = torch.tensor([[3, 4], [1, 1]])
+    dst = torch.tensor([[1, 2], [1, 1]])
+    row0 = cache.kv[:, :, 0, :, [3, 4]].clone()
+    cache.keep_paths(src, dst)
+    assert torch.equal(cache.kv[:, :, 0, :, 1:3], row0)
+    with pytest.raises(ValueError):
+        cache.bind(torch.zeros(4, 1, dtype=torch.long), 4)  # 4 rows, 3 slots
+    assert batch_bucket(3, 64) == 4 and batch_bucket(9, 12) == 12
+
+
+def test_planner_turns_speculation_down_where_trees_cost_too_much():
+    scores = [[0.9, 0.8, 0.5, 0.4]] * 16
+    cheap = BatchPlanner(costs=lambda b, n: 1.0 + 0.01 * n)
+    assert cheap.plan(16, scores) == 4
+    dear = BatchPlanner(costs=lambda b, n: 1.0 + n * b / 16)  # trees cost a lot at batch 16
+    assert dear.plan(16, scores) == 0
+    assert dear.plan(1, [scores[0]]) == 4  # ... but pay at batch 1
+    assert cheap.plan(16, [[]] * 16) == 0  # nothing proposed: a plain step
+
+
+def test_planner_measures_each_size_before_trusting_it():
+    p = BatchPlanner(sizes=(0, 4, 8), skip_first=False)
+    scores = [[0.9] * 6]
+    seen = []
+    for _ in range(3):
+        s = p.plan(1, scores)
+        seen.append(s)
+        p.observe(1, s, {0: 1.0, 4: 1.1, 8: 1.2}[s], [0.9] * s, [True] * s)
+    assert seen == [0, 4, 8]
+    assert p.plan(1, scores) == 8  # most tokens per second once measured
+
+
+def test_concurrent_generate_calls_share_rounds(llama_target):
+    """Calls from several threads on one generator: their rows share batched rounds (fewer rounds than
+    rows x rounds), each row still exactly HF generate() of its prompt alone."""
+    import threading
+
+    cfg = SpecSplitConfig(drafter="ngram", max_batch=8)
+    results: dict[int, torch.Tensor] = {}
+    with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
+        gen.generate(*_left_padded(PROMPTS[:2]), max_new_tokens=2)  # builds the pool
+        start = threading.Barrier(len(PROMPTS))
+
+        def call(i: int) -> None:
+            start.wait()
+            results[i] = gen.generate(
+                torch.tensor([PROMPTS[i]]), max_new_tokens=30, return_dict_in_generate=True
+            )
+
+        before = gen._scheduler.rounds
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        shared_rounds = gen._scheduler.rounds - before
+    row_rounds = sum(len(r.spec_stats.rounds) for r in results.values())
+    for i, p in enumerate(PROMPTS):
+        assert _trim(results[i].sequences[0, len(p) :].tolist()) == _alone(llama_target, p, 30)
+    assert 0 < shared_rounds < row_rounds
+
+
+def test_scheduler_streams_rounds_cancels_and_bounds_waiting(llama_target):
+    from specsplit.errors import ResourceExhausted
+    from specsplit.pipeline.batch import BatchScheduler
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    sched = BatchScheduler(BatchedTarget(runner, slots=2, capacity=128), 2, max_waiting=3, gather_s=0.0)
+    reqs = [BatchRequest(p, DecodeParams(max_new_tokens=20)) for p in PROMPTS[:3]]
+    tickets = [sched.submit(r) for r in reqs]
+    with pytest.raises(ResourceExhausted, match="waiting"):
+        sched.submit(BatchRequest(PROMPTS[3], DecodeParams(max_new_tokens=5)))
+    with pytest.raises(ValueError, match="positions"):
+        sched.submit(BatchRequest(PROMPTS[0], DecodeParams(max_new_tokens=500)))
+    rounds = sched.follow(tickets[0])
+    first = next(rounds)  # one round: the first two rows joined (two slots), the third waits
+    assert len(first[0]) == 1 and sched.live_rows == 2 and sched.waiting_rows == 1
+    rounds.close()  # the client went away: its row leaves at the end of the next round
+    toks, _ = sched.wait(tickets[2])  # takes the freed slot
+    assert toks == _alone(llama_target, PROMPTS[2], 20)
+    assert tickets[0].done and tickets[0].cancelled and len(tickets[0].out) < 20
+    assert sched.wait(tickets[1])[0] == _alone(llama_target, PROMPTS[1], 20)
+    assert sched.live_rows == 0 and sched.waiting_rows == 0
+
+
+def test_rows_with_other_sampling_settings_wait_for_their_turn(llama_target):
+    from specsplit.pipeline.batch import BatchScheduler, run_rows
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    sched = BatchScheduler(BatchedTarget(runner, slots=4, capacity=128), 4, gather_s=0.0)
+    hot = SamplingParams(do_sample=True, temperature=0.7)
+    reqs = [
+        BatchRequest(PROMPTS[0], DecodeParams(max_new_tokens=10)),
+        BatchRequest(
+            PROMPTS[1],
+            DecodeParams(max_new_tokens=10, sampling=hot, generator=torch.Generator().manual_seed(1)),
+        ),
+        BatchRequest(PROMPTS[2], DecodeParams(max_new_tokens=10)),
+    ]
+    out = run_rows(sched, reqs, None)
+    assert out[0][0] == _alone(llama_target, PROMPTS[0], 10)
+    assert out[2][0] == _alone(llama_target, PROMPTS[2], 10)
+    alone = decode_batch(BatchedTarget(runner, 1, 128), [BatchRequest(PROMPTS[1], DecodeParams(
+        max_new_tokens=10, sampling=hot, generator=torch.Generator().manual_seed(1)))], 1)  # fmt: skip
+    assert out[1][0] == alone[0][0]
+
+
+def test_planner_skips_proposals_while_plain_steps_win():
+    from specsplit.engines.batch_plan import PROBE_EVERY
+
+    p = BatchPlanner(costs=lambda b, n: 1.0 + n)  # trees never pay
+    assert p.wants_proposals(16)
+    assert p.plan(16, [[0.5, 0.4]] * 16) == 0
+    skipped = 0
+    while not p.wants_proposals(16):
+        skipped += 1
+    assert skipped == PROBE_EVERY - 1  # then one round looks at the proposals again
+
+
+def test_model_drafter_with_a_draft_keeps_its_per_row_drafts(llama_target, llama_draft_random):
+    ids, mask = _left_padded(PROMPTS[:3])
+    with SpecSplitGenerator(llama_target, llama_draft_random, config=SpecSplitConfig(max_batch=8)) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=10, return_dict_in_generate=True)
+        assert gen._batched is None
+    assert any(r.drafter == "model" for s in out.per_sequence_stats for r in s.rounds)
