@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator
+from specsplit.bench.batch import left_padded
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.batch_plan import BatchPlanner
 from specsplit.engines.batched import BatchedTarget, RowTree, batch_bucket
@@ -28,16 +29,6 @@ PROMPTS = [
 ]
 
 
-def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
-
-
 def _alone(model, prompt: list[int], n: int) -> list[int]:
     """HF generate() of one prompt alone, new tokens up to and including EOS."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -55,7 +46,7 @@ def test_batch_rows_equal_hf_alone(request, family, drafter):
     "model": plain batched steps."""
     target = request.getfixturevalue(f"{family}_target")
     draft = request.getfixturevalue(f"{family}_draft_random") if drafter == "auto" else None
-    ids, mask = _left_padded(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     # 4 rows a round for 6 rows: two join as the first ones finish.
     cfg = SpecSplitConfig(drafter="model" if drafter == "target-only" else drafter, max_batch=4)
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
@@ -72,7 +63,7 @@ def test_batch_rows_equal_hf_alone(request, family, drafter):
 
 
 def test_batched_equals_sequential_rows_and_counts_fewer_forwards(llama_target):
-    ids, mask = _left_padded(PROMPTS[:4])
+    ids, mask = left_padded(PROMPTS[:4])
     outs, forwards = [], []
     for max_batch in (0, 4):
         with SpecSplitGenerator(
@@ -105,7 +96,7 @@ def test_rows_join_and_leave_with_their_own_limits(qwen_target):
 def test_per_row_generators_sample_what_each_row_samples_alone(llama_target):
     kw = dict(do_sample=True, temperature=0.9, top_p=0.9, max_new_tokens=20)
     prompts = PROMPTS[:3]
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     cfg = SpecSplitConfig(drafter="ngram", max_batch=4)
     with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
         gens = [torch.Generator().manual_seed(100 + b) for b in range(3)]
@@ -123,7 +114,7 @@ def test_per_row_generators_sample_what_each_row_samples_alone(llama_target):
 
 
 def test_shared_generator_matches_the_sequential_path(qwen_target):
-    ids, mask = _left_padded(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     kw = dict(do_sample=True, temperature=0.8, top_k=40, max_new_tokens=16)
     outs = []
     for max_batch in (0, 8):
@@ -139,7 +130,7 @@ def test_shared_generator_matches_the_sequential_path(qwen_target):
 def test_processors_keep_the_sequential_path(llama_target):
     """Options applied row by row (here a repetition penalty) decode the rows one after another:
     still exact, never silently dropped."""
-    ids, mask = _left_padded(PROMPTS[:3])
+    ids, mask = left_padded(PROMPTS[:3])
     with SpecSplitGenerator(llama_target, None, config=SpecSplitConfig(drafter="ngram")) as gen:
         out = gen.generate(ids, attention_mask=mask, max_new_tokens=12, repetition_penalty=1.3)
         assert gen._batched is None
@@ -149,13 +140,13 @@ def test_processors_keep_the_sequential_path(llama_target):
 
 def test_pool_grows_for_a_bigger_batch(llama_target):
     with SpecSplitGenerator(llama_target, None, config=SpecSplitConfig(drafter="ngram", max_batch=16)) as gen:
-        ids, mask = _left_padded(PROMPTS[:2])
+        ids, mask = left_padded(PROMPTS[:2])
         gen.generate(ids, attention_mask=mask, max_new_tokens=4)
         first = gen._batched
         assert first is not None and first.slots == 16  # max_batch rows: concurrent calls share it
         gen.generate(ids, attention_mask=mask, max_new_tokens=4)
         assert gen._batched is first  # reused
-        ids, mask = _left_padded(PROMPTS)
+        ids, mask = left_padded(PROMPTS)
         gen.generate(ids, attention_mask=mask, max_new_tokens=300)
         assert gen._batched is not first and gen._batched.capacity >= 313
 
@@ -245,7 +236,7 @@ def test_concurrent_generate_calls_share_rounds(llama_target):
     cfg = SpecSplitConfig(drafter="ngram", max_batch=8)
     results: dict[int, torch.Tensor] = {}
     with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
-        gen.generate(*_left_padded(PROMPTS[:2]), max_new_tokens=2)  # builds the pool
+        gen.generate(*left_padded(PROMPTS[:2]), max_new_tokens=2)  # builds the pool
         start = threading.Barrier(len(PROMPTS))
 
         def call(i: int) -> None:
@@ -282,7 +273,8 @@ def test_scheduler_streams_rounds_cancels_and_bounds_waiting(llama_target):
     rounds = sched.follow(tickets[0])
     first = next(rounds)  # one round: the first two rows joined (two slots), the third waits
     assert len(first[0]) == 1 and sched.live_rows == 2 and sched.waiting_rows == 1
-    rounds.close()  # the client went away: its row leaves at the end of the next round
+    rounds.close()  # the client went away: no round is running, so its row leaves now
+    assert tickets[0].done and sched.live_rows == 1
     toks, _ = sched.wait(tickets[2])  # takes the freed slot
     assert toks == _alone(llama_target, PROMPTS[2], 20)
     assert tickets[0].done and tickets[0].cancelled and len(tickets[0].out) < 20
@@ -325,8 +317,26 @@ def test_planner_skips_proposals_while_plain_steps_win():
 
 
 def test_model_drafter_with_a_draft_keeps_its_per_row_drafts(llama_target, llama_draft_random):
-    ids, mask = _left_padded(PROMPTS[:3])
+    ids, mask = left_padded(PROMPTS[:3])
     with SpecSplitGenerator(llama_target, llama_draft_random, config=SpecSplitConfig(max_batch=8)) as gen:
         out = gen.generate(ids, attention_mask=mask, max_new_tokens=10, return_dict_in_generate=True)
         assert gen._batched is None
     assert any(r.drafter == "model" for s in out.per_sequence_stats for r in s.rounds)
+
+
+@pytest.mark.real
+def test_batched_generation_example_rows_equal_each_prompt_alone(capsys, monkeypatch):
+    """``examples/batched_generation.py`` on SmolLM2 (CPU, float32), three threads sharing rounds: it
+    checks every row against the same prompt generated alone."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from _real_models import smollm2_dir
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "batched_generation.py"
+    argv = [str(script), "--target", smollm2_dir(), "--max-new-tokens", "16", "--threads", "3"]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("same as alone") == 6 and "DIFFERS" not in out

@@ -512,3 +512,29 @@ def test_batched_worker_serves_concurrent_clients_in_shared_rounds(engines, samp
             assert srv.batch is None
     for i in range(ids.shape[0]):
         assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"
+
+
+def test_batched_worker_frees_a_cancelled_row_and_keeps_serving(engines) -> None:
+    """On a batching worker: a stop string cancels a client's call mid-generation (its row leaves the
+    pool), a bad request gets INVALID_ARGUMENT, and the next clients are served exactly."""
+    ids, _ = prompts(2, seed=5)
+    tok = CharTokenizer()
+    local = SpecSplitGenerator(transport=LocalTransport(None, engines[1]), config=SpecSplitConfig(drafter="ngram"),
+                               tokenizer=tok)  # fmt: skip
+    full = local.generate(ids[:1], max_new_tokens=40)
+    stop = f"<{full[0, 15].item()}>"
+    ref = local.generate(ids[:1], max_new_tokens=40, stop_strings=[stop])
+    srv = serve_target(engines[1], drafter="ngram", max_batch=4, batch_capacity=256)
+    try:
+        with loop_gen(srv.address, TREES["chain4"], tokenizer=tok, drafter="ngram") as gen:
+            out = gen.generate(ids[:1], max_new_tokens=40, stop_strings=[stop])
+            assert torch.equal(out, ref)
+            assert wait_until(lambda: srv.batch.live_rows == 0 and srv.batch.waiting_rows == 0, timeout=10)
+            stub = pb_grpc.TargetServiceStub(grpc.insecure_channel(srv.address))
+            bad = pb.GenerateRequest(session_id="bad", prompt_token_ids=[VOCAB + 5], max_new_tokens=4)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(bad, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert torch.equal(gen.generate(ids[:1], max_new_tokens=40), full)
+    finally:
+        srv.stop(grace=1.0)

@@ -75,7 +75,8 @@ def interleaved(prompts: list[BenchPrompt], n: int) -> list[BenchPrompt]:
     return [order[i % len(order)] for i in range(n)]
 
 
-def _left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of ``rows`` left-padded with ``pad``, as ``generate()`` takes them."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -202,7 +203,7 @@ def _batch_cells(
     try:
         for b in sorted(set(opts.batch_sizes)):
             batch = interleaved(prompts, b)
-            ids, mask = _left_padded([p.input_ids for p in batch], m.pad_token_id)
+            ids, mask = left_padded([p.input_ids for p in batch], m.pad_token_id)
             for dec in decoders:
                 cells.append(_cell(dec, b, batch, ids, mask, opts, reference))
     finally:
@@ -377,8 +378,7 @@ def batch_markdown(result: dict[str, Any]) -> str:
             f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
             f"{c['rows_identical']}/{c['rows_checked']} |"
         )
-    lines += ["", *(f"- {n}" for n in result.get("notes", []))]
-    return "\n".join(lines) + "\n"
+    return _with_notes(lines, result)
 
 
 def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
@@ -399,8 +399,11 @@ def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
             f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
             f"{'-' if mem is None else format(mem / 2**30, '.1f') + ' GiB'} |"
         )
-    lines += ["", *(f"- {n}" for n in result.get("notes", []))]
-    return "\n".join(lines) + "\n"
+    return _with_notes(lines, result)
+
+
+def _with_notes(lines: list[str], result: dict[str, Any]) -> str:
+    return "\n".join([*lines, "", *(f"- {n}" for n in result.get("notes", []))]) + "\n"
 
 
 def write_batch_plot(result: dict[str, Any], path: Path) -> bool:

@@ -165,12 +165,22 @@ class BatchScheduler:
         return ticket.out, ticket.stats
 
     def cancel(self, ticket: Ticket) -> None:
-        """Drop a row: a waiting one at once, a live one at the end of the current round."""
+        """Drop a row: a waiting one at once; a live one at once when no round is running (its slot
+        goes to the last row), else at the end of the current round."""
         with self._cv:
             ticket.cancelled = True
             if ticket in self._waiting:
                 self._waiting.remove(ticket)
                 self._finish_ticket(ticket)
+                return
+        if ticket.done or not self._driver.acquire(blocking=False):
+            return  # the round running now drops it
+        try:
+            finished = [r.ticket is ticket for r in self._live]
+            if any(finished):
+                self._leave(finished)
+        finally:
+            self._driver.release()
 
     @property
     def live_rows(self) -> int:
