@@ -340,3 +340,16 @@ def test_batched_generation_example_rows_equal_each_prompt_alone(capsys, monkeyp
     runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out
     assert out.count("same as alone") == 6 and "DIFFERS" not in out
+
+
+def test_position_noise_ring_draws_each_position_once():
+    from specsplit.core.sampling import position_noise
+    from specsplit.engines.batched import PositionNoise
+
+    ring = PositionNoise(seed=7, vocab=11, device=torch.device("cpu"), depth=5)
+    for start, count in ((3, 5), (5, 3), (6, 5), (10, 1)):  # rounds moving forward, overlapping
+        got = ring.rows(start, count)
+        assert torch.equal(got, position_noise(7, start, count, 11, torch.device("cpu")))
+    assert ring.draws == len(set(range(3, 11)))  # positions 3..10, each once
+    with pytest.raises(ValueError):
+        ring.rows(20, 6)

@@ -59,6 +59,39 @@ class RowTree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     seed: int | None = None  # verification seed (sampling)
+    noise: PositionNoise | None = None  # the row's noise drawn so far (seeded sampling), kept by the caller
+
+
+class PositionNoise:
+    """A seeded row's position-keyed sampling noise (:func:`~specsplit.core.sampling.position_noise`),
+    each position drawn once: a round needs positions ``length + 1 .. length + 1 + depth`` and the
+    next round's overlap them, so only the positions past the last round's are drawn again.
+
+    Args:
+        seed: the row's verification seed.
+        vocab: noise width.
+        device: where the noise lives.
+        depth: most positions one round reads (the largest tree's depth + 1); the ring's rows.
+    """
+
+    def __init__(self, seed: int, vocab: int, device: torch.device, depth: int):
+        self.seed, self.depth = seed, depth
+        self.ring = torch.empty(depth, vocab, dtype=torch.float32, device=device)
+        self._held = [-1] * depth  # the position each ring row holds
+        self.draws = 0
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """`[count, vocab]` noise of positions ``start .. start + count - 1`` (``count <= depth``)."""
+        if count > self.depth:
+            raise ValueError(f"{count} positions a round; the ring holds {self.depth}")
+        for pos in range(start, start + count):
+            k = pos % self.depth
+            if self._held[k] != pos:
+                self.ring[k] = position_noise(self.seed, pos, 1, self.ring.shape[1], self.ring.device)[0]
+                self._held[k] = pos
+                self.draws += 1
+        idx = [(start + i) % self.depth for i in range(count)]
+        return self.ring[idx]
 
 
 @dataclass
@@ -120,6 +153,12 @@ class BatchedTarget:
         self.attention_kwargs = dict(runner.attention_kwargs)
         if self.attention_kwargs and self.device.type == "cuda":
             self.attention_kwargs[FOLD_KWARG] = "math"
+
+    def noise_for(self, seed: int | None, depth: int) -> PositionNoise | None:
+        """A row's noise ring for rounds of trees up to ``depth - 1`` nodes (None unseeded)."""
+        if seed is None:
+            return None
+        return PositionNoise(seed, self.runner.vocab_size, self.runner.output_device, depth)
 
     def fits(self, slots: int, capacity: int) -> bool:
         return slots <= self.slots and capacity <= self.capacity
@@ -241,21 +280,26 @@ class BatchedTarget:
         anc[:, np.arange(q), np.arange(q)] = 1  # padding rows and nodes see themselves
         host[:, 1 + q : a0] = 1  # padding nodes: depth 1
         host[:, p0 + n : p0 + 2 * n] = -1  # padding nodes never match
-        for i, r in enumerate(rows):
+        b = len(rows)
+        host[:b, 0] = [r.length for r in rows]
+        host[:b, 1] = [r.pending for r in rows]
+        host[:b, 1 + q] = 0
+        anc[:b, :, 0] = 1  # every row of a real sequence sees its pending token
+        parents = np.full((b, n), -1, dtype=np.int64)  # node parents, -1 for roots and padding
+        for i, r in enumerate(rows):  # a row's lists into its slices (no per-node work)
             k = len(r.tokens)
-            host[i, 0] = r.length
-            host[i, 1] = r.pending
-            host[i, 1 + q] = 0
-            anc[i, :, 0] = 1  # every row of a real sequence sees its pending token
             if k:
                 host[i, 2 : 2 + k] = r.tokens
                 host[i, 2 + q : 2 + q + k] = r.depths
-                par = np.asarray(r.parents, dtype=np.int64)
-                host[i, p0 : p0 + k] = par + 1
+                parents[i, :k] = r.parents
+                host[i, p0 : p0 + k] = parents[i, :k] + 1
                 host[i, p0 + n : p0 + n + k] = r.tokens
-                for j in range(k):  # a node sees its parent's row (ancestors, pending) and itself
-                    if par[j] >= 0:
-                        anc[i, 1 + j, 1 : 1 + j] = anc[i, 1 + par[j], 1 : 1 + j]
+        rows_ix = np.arange(b)
+        for j in range(n):  # node j of every row sees what its parent sees among the nodes before it
+            p = parents[:, j]
+            has = p >= 0
+            if has.any():
+                anc[rows_ix[has], 1 + j, 1 : 1 + j] = anc[rows_ix[has], 1 + p[has], 1 : 1 + j]
         rnd.stage.copy_(rnd.host, non_blocking=True)
 
     def _body(self, rnd: _Round, n: int, sampling: SamplingParams) -> torch.Tensor:
@@ -352,6 +396,8 @@ class BatchedTarget:
         for i, r in enumerate(rows):
             if r.seed is None:
                 noise[i].exponential_(1.0).clamp_min_(1e-20)
+            elif r.noise is not None:
+                noise[i] = r.noise.rows(r.length + 1, n + 1)
             else:
                 noise[i] = position_noise(r.seed, r.length + 1, n + 1, vocab, logits.device)
         per_row = noise.gather(1, depth[..., None].clamp_max(n).expand(bp, q, vocab))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from specsplit.core.ngram import Proposal
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.batch_plan import BatchPlanner
-from specsplit.engines.batched import BatchedTarget, RowTree, batch_bucket
+from specsplit.engines.batched import BatchedTarget, PositionNoise, RowTree, batch_bucket
 from specsplit.engines.drafters import NgramDrafter, NgramSession
 from specsplit.errors import ResourceExhausted
 from specsplit.pipeline.params import DecodeParams, generation_seeds
@@ -77,6 +77,7 @@ class _Row:
     pending: int  # the last committed token (its KV is written by the next round)
     started: float
     proposal: Proposal | None = None
+    noise: PositionNoise | None = None  # seeded sampling: the positions' noise drawn so far
 
     @property
     def params(self) -> DecodeParams:
@@ -292,7 +293,11 @@ class BatchScheduler:
         for r in live:
             top = r.proposal.top(size) if r.proposal is not None and size else Proposal.empty()
             kept_scores.append(top.scores)
-            trees.append(RowTree(r.length, r.pending, top.token_ids, top.parents, top.depths, r.seed))
+            if sampling.do_sample and r.seed is not None and r.noise is None:
+                r.noise = self.target.noise_for(r.seed, 1 + max(planner.sizes))
+            trees.append(
+                RowTree(r.length, r.pending, top.token_ids, top.parents, top.depths, r.seed, r.noise)
+            )
         t1 = time.perf_counter()
         outcomes = self.target.round(trees, sampling, size)
         t2 = time.perf_counter()
