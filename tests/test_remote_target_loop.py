@@ -538,3 +538,41 @@ def test_batched_worker_frees_a_cancelled_row_and_keeps_serving(engines) -> None
             assert torch.equal(gen.generate(ids[:1], max_new_tokens=40), full)
     finally:
         srv.stop(grace=1.0)
+
+
+def test_batched_worker_gathers_client_loop_verifications(engines) -> None:
+    """Client loop (the client calls the draft worker, then the target worker, every round) against a
+    target worker with max_batch: concurrent greedy sessions' VerifyDrafts share forwards, every client
+    gets what a non-batching worker gives it, and ended sessions free their slots."""
+    ids, _ = prompts(5, seed=31)
+    d_srv = serve_draft(engines[0])
+    outs: dict[int, list[torch.Tensor]] = {}
+    try:
+        for max_batch in (0, 4):
+            t_srv = serve_target(engines[1], max_batch=max_batch, batch_capacity=256)
+            start = threading.Barrier(ids.shape[0])
+
+            def client(i: int, t_srv=t_srv, start=start) -> torch.Tensor:  # noqa: ANN001
+                cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
+                                      tree=TREES["chain4"], timeout_s=60.0)  # fmt: skip
+                with SpecSplitGenerator(config=cfg) as gen:
+                    start.wait()
+                    return gen.generate(ids[i : i + 1], max_new_tokens=24, return_dict_in_generate=True)
+
+            try:
+                with ThreadPoolExecutor(ids.shape[0]) as pool:
+                    res = list(pool.map(client, range(ids.shape[0])))
+                if max_batch:
+                    assert t_srv.sessions is not None
+                    calls = sum(len(r.spec_stats.rounds) for r in res)
+                    assert 0 < t_srv.sessions.rounds < calls  # verifications shared forwards
+                    assert wait_until(lambda t=t_srv: t.sessions.live_sessions == 0, timeout=10)
+                    # 5 clients, 4 slots: one session took the engine's own path, and ended there too
+                    assert wait_until(lambda: engines[1].active_sessions == 0, timeout=10)
+            finally:
+                t_srv.stop(grace=1.0)
+            outs[max_batch] = [r.sequences for r in res]
+    finally:
+        d_srv.stop(grace=1.0)
+    for i in range(ids.shape[0]):
+        assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"

@@ -17,6 +17,7 @@ of ``specsplit-plain`` at ``B = 1``'s path (the target's own greedy output).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import statistics
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 SCHEMA = "specsplit-bench-batch/1"
 BATCH_DECODERS = ("hf-batch", "specsplit-plain", "specsplit-ngram")
 CLIENT_DECODERS = ("grpc-plain", "grpc-ngram")  # concurrent clients of one batched target worker
+# ... and clients that run the rounds themselves against a draft worker and the batching target worker
+# (client loop, the draft model's chain; optional: it loads the draft model)
+CLIENT_LOOP_DECODER = "grpc-model-clientloop"
 
 
 @dataclass
@@ -136,7 +140,7 @@ class _Decoder:
 
 def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
     """Run every decoder at every batch size; write ``<out>/batch-<machine>-<date>[-tag].{json,md,png}``."""
-    known = CLIENT_DECODERS if opts.clients else BATCH_DECODERS
+    known = (*CLIENT_DECODERS, CLIENT_LOOP_DECODER) if opts.clients else BATCH_DECODERS
     unknown = set(opts.decoders) - set(known)
     if unknown:
         raise ValueError(f"unknown decoders {sorted(unknown)} for this run; choose from {', '.join(known)}")
@@ -144,7 +148,8 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
         raise ValueError("batch sizes must be >= 1")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=False)
+    draft = CLIENT_LOOP_DECODER in opts.decoders
+    m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=draft)
     if opts.tiny:
         prompts = smoke_prompts()
     else:
@@ -215,12 +220,14 @@ def _batch_cells(
 def _client_cells(
     m: BenchModels, prompts: list[BenchPrompt], opts: BatchBenchOptions
 ) -> list[dict[str, Any]]:
-    """``N`` clients at once, each with its own generator over gRPC (``grpc_loop="target"``, one thread
-    and one ``Generate`` call per client) against ONE target worker in this process that batches
-    concurrent calls (``max_batch`` = the largest N)."""
-    from specsplit import SpecSplitConfig, SpecSplitGenerator, TargetEngine
-    from specsplit.config import Drafter, TargetConfig
-    from specsplit.remote import serve_target
+    """``N`` clients at once, each with its own generator over gRPC (one thread each) against ONE
+    target worker in this process that batches concurrent calls (``max_batch`` = the largest N):
+    ``grpc-plain`` / ``grpc-ngram`` make one ``Generate`` call (``grpc_loop="target"``);
+    ``grpc-model-clientloop`` runs the rounds itself, drafting on a draft worker in this process
+    (greedy sessions' verifications batched on the target worker)."""
+    from specsplit import DraftEngine, SpecSplitConfig, SpecSplitGenerator, TargetEngine
+    from specsplit.config import DraftConfig, Drafter, TargetConfig
+    from specsplit.remote import serve_draft, serve_target
     from specsplit.remote.admission import AdmissionLimits
 
     most = max(opts.clients)
@@ -229,15 +236,26 @@ def _client_cells(
     limits = AdmissionLimits(max_calls=most + 4, max_queued=most + 4)
     srv = serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
                        batch_capacity=-(-need // 256) * 256)  # fmt: skip
+    d_srv = None
+    if m.draft is not None:
+        d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
+        d_srv = serve_draft(d_engine, max_workers=most + 4, admission=limits)
     cells: list[dict[str, Any]] = []
     try:
-        for name in [d for d in opts.decoders if d in CLIENT_DECODERS]:
+        for name in [d for d in opts.decoders if d in (*CLIENT_DECODERS, CLIENT_LOOP_DECODER)]:
             drafter: Drafter = "ngram" if name == "grpc-ngram" else "model"
+            if name == CLIENT_LOOP_DECODER:
+                assert d_srv is not None
+                cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=srv.address,
+                                      timeout_s=600.0)  # fmt: skip
+            else:
+                cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=srv.address,
+                                      drafter=drafter, timeout_s=600.0)  # fmt: skip
             for n in sorted(set(opts.clients)):
                 rows = interleaved(prompts, n)
-                gens = [SpecSplitGenerator(tokenizer=m.tokenizer, config=SpecSplitConfig(
-                    transport="grpc", grpc_loop="target", target_address=srv.address, drafter=drafter,
-                    timeout_s=600.0)) for _ in range(n)]  # fmt: skip
+                gens = [
+                    SpecSplitGenerator(tokenizer=m.tokenizer, config=copy.deepcopy(cfg)) for _ in range(n)
+                ]
                 try:
                     logger.info("%d clients: %s (warm-up)", n, name)
                     _clients_once(gens, rows, m, opts.max_new_tokens)
@@ -262,6 +280,8 @@ def _client_cells(
                             cells[-1]["tok_s"], cells[-1]["client_tok_s_min"], cells[-1]["client_tok_s_max"])  # fmt: skip
     finally:
         srv.stop(grace=1.0)
+        if d_srv is not None:
+            d_srv.stop(grace=1.0)
     return cells
 
 

@@ -15,6 +15,7 @@ import torch
 from specsplit.bench.batch import (
     BATCH_DECODERS,
     CLIENT_DECODERS,
+    CLIENT_LOOP_DECODER,
     BatchBenchOptions,
     batch_markdown,
     run_batch_bench,
@@ -140,7 +141,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N[,N...]",
         help="run the concurrency bench instead: for each N, N client threads (grpc_loop='target', one "
-        f"Generate call each) against one batching target worker in this process; decoders {','.join(CLIENT_DECODERS)}",
+        f"Generate call each) against one batching target worker in this process; decoders {','.join(CLIENT_DECODERS)} "
+        f"(default), {CLIENT_LOOP_DECODER} (client loop with a draft worker: loads the draft model)",
     )
     add_tuning_flags(p, pipeline=True)
     _set_help(
@@ -322,7 +324,7 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
         picked = tuple(d.strip() for d in args.decoders.split(",") if d.strip())
         default = CLIENT_DECODERS if clients else BATCH_DECODERS
         decoders = default if picked == tuple(DEFAULT_DECODERS) else picked
-        if set(decoders) - set(default):
+        if set(decoders) - set(default) - ({CLIENT_LOOP_DECODER} if clients else set()):
             raise ValueError(f"decoders of this run: {','.join(default)}")
         suite = SUITES[args.suite]
         which = (

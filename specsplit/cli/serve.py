@@ -135,7 +135,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="target: rows a batched round holds: concurrent Generate calls (grpc_loop='target') that need "
         "no draft worker (n-gram drafting, or target-only) share one target forward per round "
-        "(continuous batching); 0 (default): each call runs its own rounds",
+        "(continuous batching), and greedy client-loop sessions' VerifyDrafts calls are verified "
+        "together; 0 (default): each call runs its own rounds",
     )
     p.add_argument(
         "--batch-capacity",

@@ -183,11 +183,17 @@ class BatchedTarget:
             self._prefill_group(first_slot + i, prompts[i:j], longest)
             i = j
 
-    def _prefill_group(self, first: int, prompts: list[list[int]], width: int) -> None:
+    @torch.inference_mode()
+    def extend(self, slot: int, start: int, tokens: list[int]) -> None:
+        """Write the KV of ``tokens`` at positions ``start ..`` of ``slot`` (its first ``start``
+        positions are context): a session's committed tokens beyond what its slot holds."""
+        self._prefill_group(slot, [tokens], len(tokens), start)
+
+    def _prefill_group(self, first: int, prompts: list[list[int]], width: int, start: int = 0) -> None:
         if width == 0:
             return
-        if width > self.capacity:
-            raise ResourceExhausted(f"a prompt of {width} tokens does not fit {self.capacity} slots")
+        if start + width > self.capacity:
+            raise ResourceExhausted(f"{start + width} positions do not fit a slot of {self.capacity}")
         k, dev = len(prompts), self.device
         ids = torch.zeros(k, width, dtype=torch.long)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
@@ -198,10 +204,11 @@ class BatchedTarget:
         causal = ar[None, :] <= ar[:, None]  # [q, kv]
         seen = causal[None] & (ar[None, None, :] < lens[:, None, None])  # [k, q, kv]
         seen |= torch.eye(width, dtype=torch.bool)[None]  # padding rows: themselves (finite, unread)
-        mask = torch.where(seen, 0.0, self._neg).to(self.runner.dtype)[:, None]
-        pos = ar[None].expand(k, width)
+        context = torch.ones(k, width, start, dtype=torch.bool)  # what the slot held before
+        mask = torch.where(torch.cat([context, seen], dim=-1), 0.0, self._neg).to(self.runner.dtype)[:, None]
+        pos = ar[None].expand(k, width) + start
         wpos = pos.to(dev)
-        self.cache.bind(wpos, width, first)
+        self.cache.bind(wpos, start + width, first)
         try:
             self._model_call(ids.to(dev), pos.to(dev), mask.to(dev), 1)
         finally:

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from specsplit.engines.batched_sessions import SessionBatcher
 from specsplit.errors import (
     CacheDesyncError,
     ConfigError,
@@ -43,7 +44,7 @@ from specsplit.errors import (
     SessionNotFound,
     SpecSplitError,
 )
-from specsplit.messages import GenerateRequest, GenerateUpdate
+from specsplit.messages import GenerateRequest, GenerateUpdate, VerifyRequest
 from specsplit.pipeline import DecodeParams, OverlapPolicies, decode_rounds
 from specsplit.pipeline.batch import BatchRequest, BatchScheduler
 from specsplit.remote import convert
@@ -422,6 +423,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         drafting: WorkerDrafting | None = None,
         admission: Admission | None = None,
         batch: BatchScheduler | None = None,
+        sessions: SessionBatcher | None = None,
     ):
         limits = limits or ServerLimits()
         cfg = getattr(engine, "config", None)
@@ -438,6 +440,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self._drafting = drafting or WorkerDrafting()
         self._draft_worker = draft is not None
         self.batch = batch  # concurrent Generate calls' rows share rounds here (None: each runs its own)
+        self.sessions = sessions  # concurrent client-loop sessions' VerifyDrafts share forwards here
 
     def _batched(self, req: GenerateRequest, params: DecodeParams) -> bool:
         """Whether a ``Generate`` call's rows join the shared batched rounds: batching on, drafting
@@ -452,7 +455,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
 
-        def work(t0: float) -> pb.VerifyResponse:
+        def convert_request(t0: float) -> VerifyRequest:
             req = convert.verify_request_from_proto(request)
             req.session_id = key
             lim, tree = self._h.limits, req.tree
@@ -462,12 +465,26 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     f"limits ({lim.max_tree_nodes} nodes, depth {lim.max_tree_depth})"
                 )
             req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
-            self._h.admit_session(key, req.expected_prefix_length == 0)
-            resp = convert.verify_result_to_proto(self._h.engine.verify(req))
+            return req
+
+        req = self._h.run(context, None, convert_request)
+        # Sessions in the batched rounds take no compute turn: their round is everyone's.
+        batched = self.sessions is not None and self.sessions.takes(req)
+
+        def work(t0: float) -> pb.VerifyResponse:
+            result = self.sessions.verify(req) if batched and self.sessions is not None else None
+            if result is None and batched:  # the batched slots filled up meanwhile: the session's own path
+                with self._h.compute():
+                    self._h.admit_session(key, req.expected_prefix_length == 0)
+                    result = self._h.engine.verify(req)
+            elif result is None:
+                self._h.admit_session(key, req.expected_prefix_length == 0)
+                result = self._h.engine.verify(req)
+            resp = convert.verify_result_to_proto(result)
             resp.telemetry.server_time_s = time.perf_counter() - t0
             return resp
 
-        return self._h.run(context, key, work, compute=True)
+        return self._h.run(context, key, work, compute=not batched)
 
     def VerifyDraftsStream(
         self, request_iterator: Iterator[pb.VerifyRequest], context: grpc.ServicerContext
@@ -550,6 +567,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
     ) -> pb.EndSessionResponse:
+        if self.sessions is not None:
+            key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
+            t0 = time.perf_counter()
+            if self.sessions.end(key):
+                return pb.EndSessionResponse(
+                    existed=True, telemetry=pb.Telemetry(server_time_s=time.perf_counter() - t0)
+                )
         return self._h.end_session(request, context)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:

@@ -21,6 +21,7 @@ import torch
 
 from specsplit.config import BATCH_LIMIT, NgramConfig
 from specsplit.engines.batched import BatchedTarget, batch_bucket
+from specsplit.engines.batched_sessions import SessionBatcher
 from specsplit.errors import ConfigError, TransportError
 from specsplit.pipeline.batch import BatchScheduler
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
@@ -65,6 +66,7 @@ class WorkerServer:
         self.worker_type = worker_type
         self.admission = admission
         self.batch: BatchScheduler | None = None  # a target worker's shared batched rounds, if on
+        self.sessions: SessionBatcher | None = None  # ... and its client-loop sessions' shared forwards
         self._health = health
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -288,7 +290,9 @@ def serve_target(
         check_draft: ping the draft worker before serving.
         max_batch: ``Generate`` calls that need no draft worker (n-gram drafting, or target-only)
             share batched rounds, up to this many rows a round (continuous batching,
-            :mod:`specsplit.pipeline.batch`); ``0``: each call runs its own rounds.
+            :mod:`specsplit.pipeline.batch`), and greedy client-loop sessions' ``VerifyDrafts`` calls
+            are verified together, up to this many sessions a forward
+            (:mod:`specsplit.engines.batched_sessions`); ``0``: each call runs its own rounds.
         batch_capacity: positions (prompt + new tokens) a batched row may need; the pool holds
             ``max_batch`` of them. Longer generations run their own rounds.
 
@@ -314,8 +318,9 @@ def serve_target(
     )
     drafting = WorkerDrafting(drafter, ngram, padded=graphs)
     batch = _batch_scheduler(engine, max_batch, batch_capacity, graphs, adm.limits.max_calls)
+    sessions = _session_batcher(engine, max_batch, batch_capacity, graphs)
     servicer = TargetServicer(
-        engine, limits, draft, max_streams(adm.limits.max_calls), tree_slots, drafting, adm, batch
+        engine, limits, draft, max_streams(adm.limits.max_calls), tree_slots, drafting, adm, batch, sessions
     )
     _limit_engine(engine, servicer._h, limits, tokens)
     try:
@@ -326,6 +331,7 @@ def serve_target(
         raise
     server.on_stop.append(servicer.loop.close)
     server.batch = batch
+    server.sessions = sessions
     return server
 
 
@@ -340,6 +346,17 @@ def _batch_scheduler(
                 pool.cache.memory_bytes() / 1e9)  # fmt: skip
     # Rows past the open calls cannot wait: each waiting row is a call holding a request thread.
     return BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
+
+
+def _session_batcher(engine: Any, max_batch: int, capacity: int, graphs: bool) -> SessionBatcher | None:
+    """The pool where concurrent client-loop sessions' verifications share forwards (``max_batch`` >= 2)."""
+    if max_batch < 2:
+        return None
+    pool = BatchedTarget(engine.runner, batch_bucket(max_batch, BATCH_LIMIT), capacity, use_graphs=graphs)
+    cfg = engine.config
+    return SessionBatcher(
+        pool, engine.model_vocab_size, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.session_ttl_s
+    )
 
 
 def _check_draft(draft: GrpcTransport, address: str) -> None:
