@@ -353,3 +353,34 @@ def test_position_noise_ring_draws_each_position_once():
     assert ring.draws == len(set(range(3, 11)))  # positions 3..10, each once
     with pytest.raises(ValueError):
         ring.rows(20, 6)
+
+
+def test_session_batcher_keeps_room_for_any_round_and_checks_requests(llama_target):
+    """Client-loop sessions in a pool: desync and bad ids are refused without changing anything, a
+    session near its slot's end is refused before it could overflow a round, and an ended session's
+    slot goes to the last one (whose next round still continues its text)."""
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.batched_sessions import MAX_NODES, SessionBatcher
+    from specsplit.errors import CacheDesyncError, InvalidRequest, ResourceExhausted
+    from specsplit.messages import VerifyRequest
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    cap = 16 + 1 + MAX_NODES
+    sb = SessionBatcher(
+        BatchedTarget(runner, slots=2, capacity=cap), runner.vocab_size, 256, 64, gather_s=0.0
+    )
+    empty = TokenTree.empty()
+    a = sb.verify(VerifyRequest("a", empty, PROMPTS[0][:8], 0))
+    b = sb.verify(VerifyRequest("b", empty, PROMPTS[2][:8], 0))
+    assert a.prefix_length == b.prefix_length == 8
+    with pytest.raises(CacheDesyncError):
+        sb.verify(VerifyRequest("a", empty, [a.next_token_id], 5))
+    with pytest.raises(InvalidRequest):
+        sb.verify(VerifyRequest("a", empty, [10**6], 8))
+    assert sb.takes(VerifyRequest("c", empty, [1], 0)) is False  # both slots in use
+    assert sb.end("a") and sb.live_sessions == 1
+    # b moved into slot 0; its next token still follows its own text
+    nxt = sb.verify(VerifyRequest("b", empty, [b.next_token_id], 8))
+    assert [b.next_token_id, nxt.next_token_id] == _alone(llama_target, PROMPTS[2][:8], 2)
+    with pytest.raises(ResourceExhausted):
+        sb.verify(VerifyRequest("b", empty, [nxt.next_token_id] + [5] * 10, 9))  # would leave too little room

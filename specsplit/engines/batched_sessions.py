@@ -9,9 +9,9 @@ inert rows (an empty tree written past their committed length, which their next 
 Whoever waits for a result runs the gathered round for everyone (a driver lock, as
 :mod:`specsplit.pipeline.batch` does).
 
-What it takes: greedy verification without logits processors or returned scores (other requests,
-and sessions that start otherwise or that would not fit a slot, keep the engine's own per-session
-path). A session is placed when it starts (``expected_prefix_length == 0``) and stays where it was
+What it takes: greedy verification of trees of at most :data:`MAX_NODES` nodes, without logits
+processors or returned scores (other requests, and sessions that start otherwise or that would not
+fit a slot, keep the engine's own per-session path). A session is placed when it starts (``expected_prefix_length == 0``) and stays where it was
 placed; ``end`` frees its slot, and sessions idle past the TTL give theirs up when a new one needs
 it.
 """
@@ -29,6 +29,10 @@ from specsplit.errors import InvalidRequest, ResourceExhausted
 from specsplit.messages import VerifyRequest, VerifyResult, WorkerStats
 
 GATHER_S = 0.002  # how long a round waits for the other live sessions' requests
+# Most tree nodes a batched session's request may carry. Every live session rides in every round
+# (inert or not), writing up to this + 1 positions past its committed length, so a session keeps
+# that much of its slot free.
+MAX_NODES = 64
 
 
 @dataclass
@@ -96,8 +100,8 @@ class SessionBatcher:
             return False
         if req.return_scores or req.return_logits:
             return False
-        need = max(req.capacity_hint, len(req.pending_token_ids) + req.tree.num_nodes) + 1
-        return need <= self.target.capacity and self._room()
+        need = max(req.capacity_hint, len(req.pending_token_ids)) + 1 + MAX_NODES
+        return req.tree.num_nodes <= MAX_NODES and need <= self.target.capacity and self._room()
 
     def _room(self) -> bool:
         """A free slot, or one held by a session idle past the TTL."""
@@ -194,7 +198,7 @@ class SessionBatcher:
             raise InvalidRequest(
                 f"pending_token_ids: a token id is outside the vocabulary [0, {self.vocab_size})"
             )
-        tree.validate(self.vocab_size, self.max_tree_nodes, self.max_tree_depth)
+        tree.validate(self.vocab_size, min(self.max_tree_nodes, MAX_NODES), self.max_tree_depth)
         tokens, parents, depths = tree.token_ids.tolist(), tree.parents.tolist(), tree.depths.tolist()
         with self._driver:  # placement and prefill never run beside a round
             if req.expected_prefix_length == 0:
@@ -208,9 +212,9 @@ class SessionBatcher:
                 s = got
                 if s.length != req.expected_prefix_length:
                     raise desync_error("target", req.session_id, s.length, req.expected_prefix_length)
-            end = s.length + len(pending) + len(tokens) + 1
+            end = s.length + len(pending) + 1 + MAX_NODES  # what any round of the batch may write
             if end > self.target.capacity:
-                raise ResourceExhausted(f"session would hold {end} positions; a batched slot holds "
+                raise ResourceExhausted(f"session would need {end} positions; a batched slot holds "
                                         f"{self.target.capacity}")  # fmt: skip
             if len(pending) > 1:
                 self.target.extend(s.slot, s.length, pending[:-1])
