@@ -160,10 +160,12 @@ def test_a_full_worker_refuses_new_sessions_instead_of_evicting_active_ones(mode
     draft.shutdown()
 
 
-def test_a_named_client_has_a_session_cap(models) -> None:
+@pytest.mark.parametrize("max_batch", [0, 8], ids=["sessions", "batched-sessions"])
+def test_a_named_client_has_a_session_cap(models, max_batch) -> None:
+    """Also for sessions a batching worker verifies in shared forwards (``max_batch``)."""
     target = TargetEngine(models[0], TargetConfig(max_sessions=8))
     tokens = ClientTokens({"alice": ALICE, "bob": BOB})  # two clients: 4 sessions each by default
-    with serve_target(target, auth_token=tokens) as t:
+    with serve_target(target, auth_token=tokens, max_batch=max_batch, batch_capacity=128) as t:
         with (
             GrpcTransport(t.address, timeout_s=10, auth_token=ALICE) as alice,
             GrpcTransport(t.address, timeout_s=10, auth_token=BOB) as bob,
@@ -175,6 +177,10 @@ def test_a_named_client_has_a_session_cap(models) -> None:
             bob.verify(start("b0", [5, 6]))  # bob still gets his
             alice.end_session("a0")
             alice.verify(start("a4", [5, 6]))  # and alice again once she ended one
+            if max_batch:
+                assert (
+                    t.sessions is not None and t.sessions.live_sessions == 5 and target.active_sessions == 0
+                )
     target.shutdown()
 
 

@@ -212,6 +212,7 @@ class _Handler:
         self._owned: dict[str, set[str]] = {}  # named client -> its session keys (pruned lazily)
         self._owned_guard = threading.Lock()
         self.session_cap: int | None = None  # live sessions per named client (None: no cap)
+        self.also_holds: Callable[[str], bool] | None = None  # sessions held outside the engine
 
     def compute(self) -> AbstractContextManager[None]:
         """A turn of engine work for the current caller, shared fairly between clients."""
@@ -227,8 +228,15 @@ class _Handler:
     def admit_session(self, key: str, creates: bool) -> None:
         """Count a session a named client is about to create against its cap (``ResourceExhausted``)."""
         caller = current_caller()
-        has = getattr(self.engine, "has_session", None)
-        if not creates or not caller.named or self.session_cap is None or has is None or has(key):
+        engine_has = getattr(self.engine, "has_session", None)
+        if engine_has is None:
+            return
+        also = self.also_holds
+
+        def has(k: str) -> bool:  # the engine's sessions and those of the batched pool
+            return bool(engine_has(k)) or (also is not None and also(k))
+
+        if not creates or not caller.named or self.session_cap is None or has(key):
             return
         with self._owned_guard:
             live = {k for k in self._owned.get(caller.client, ()) if has(k)}
@@ -441,6 +449,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self._draft_worker = draft is not None
         self.batch = batch  # concurrent Generate calls' rows share rounds here (None: each runs its own)
         self.sessions = sessions  # concurrent client-loop sessions' VerifyDrafts share forwards here
+        if sessions is not None:
+            self._h.also_holds = sessions.holds
 
     def _batched(self, req: GenerateRequest, params: DecodeParams) -> bool:
         """Whether a ``Generate`` call's rows join the shared batched rounds: batching on, drafting
@@ -472,6 +482,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         batched = self.sessions is not None and self.sessions.takes(req)
 
         def work(t0: float) -> pb.VerifyResponse:
+            if batched:  # a batched session counts against its client's cap like any other
+                self._h.admit_session(key, req.expected_prefix_length == 0)
             result = self.sessions.verify(req) if batched and self.sessions is not None else None
             if result is None and batched:  # the batched slots filled up meanwhile: the session's own path
                 with self._h.compute():
