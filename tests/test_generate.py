@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig, TextIteratorStreamer
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+from specsplit.bench.batch import left_padded
 from specsplit.errors import ConfigError
 
 SHAPES = [
@@ -18,13 +19,7 @@ PROMPTS = [[5, 17, 33, 81, 9, 100], [7, 7, 12], [44, 3, 19, 250, 61, 62, 63, 64,
 
 
 def _batch(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids, mask
+    return left_padded(prompts, pad)
 
 
 def _hf(model, ids, mask, n):

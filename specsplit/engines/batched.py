@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from specsplit.core.sampling import SamplingParams, logits_to_probs, position_no
 from specsplit.errors import ResourceExhausted
 from specsplit.runtime.attention import FOLD_KWARG
 from specsplit.runtime.batched_kv import BatchedKVCache
-from specsplit.runtime.graphs import kv_bucket
+from specsplit.runtime.graphs import kv_bucket, replay
 from specsplit.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -241,11 +242,7 @@ class BatchedTarget:
         if self.use_graphs and rnd.graph is None:
             self._capture(rnd, n, sampling)
         if rnd.graph is not None:
-            with torch.cuda.device(self.device):
-                rnd.graph.replay()
-            self.runner.forward_count += 1
-            assert rnd.out is not None
-            out = rnd.out
+            out = replay(rnd.graph, self.device, self.runner, rnd.out)
         else:
             out = self._body(rnd, n, sampling)
         if not greedy:
@@ -433,6 +430,31 @@ class BatchedTarget:
                 "captured a batched round graph: %d rows x %d nodes over %d key slots",
                 rnd.ids.shape[0], n, rnd.mask.shape[-1],
             )  # fmt: skip
+
+
+class RoundDriver:
+    """Rounds shared by many waiting callers without a thread of their own: whoever waits while no
+    round runs runs the next one for everybody (``lock``); the others wait on ``cv``, which the
+    callers' bookkeeping shares."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cv = threading.Condition()
+
+    def turn(self, ready: Callable[[], bool], step: Callable[[], None]) -> None:
+        """Run ``step`` once unless another caller is running one (or ``ready()`` already holds);
+        otherwise wait, bounded, until ``ready()`` or until no round runs."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if not ready():
+                    step()
+            finally:
+                self.lock.release()
+                with self.cv:
+                    self.cv.notify_all()
+        else:
+            with self.cv:
+                self.cv.wait_for(lambda: ready() or not self.lock.locked(), 0.05)
 
 
 def read_outcome(packed: torch.Tensor) -> list[list[int]]:

@@ -18,13 +18,12 @@ it.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.base import desync_error
-from specsplit.engines.batched import BatchedTarget, RowOutcome, RowTree
+from specsplit.engines.batched import BatchedTarget, RoundDriver, RowOutcome, RowTree
 from specsplit.errors import InvalidRequest, ResourceExhausted
 from specsplit.messages import VerifyRequest, VerifyResult, WorkerStats
 
@@ -78,8 +77,8 @@ class SessionBatcher:
         self._sessions: dict[str, _Session] = {}
         self._order: list[_Session] = []  # by slot
         self._queue: list[_Pending] = []
-        self._cv = threading.Condition()
-        self._driver = threading.Lock()
+        self._driver = RoundDriver()
+        self._cv = self._driver.cv
         self.rounds = 0
 
     # ------------------------------------------------------------------ placement
@@ -113,7 +112,7 @@ class SessionBatcher:
 
     def end(self, key: str) -> bool:
         """Free a session's slot (the last live session moves into it); False when not here."""
-        with self._driver, self._cv:
+        with self._driver.lock, self._cv:
             return self._drop(key)
 
     def _drop(self, key: str) -> bool:
@@ -165,17 +164,7 @@ class SessionBatcher:
             self._queue.append(pend)
             self._cv.notify_all()
         while not pend.done:
-            if self._driver.acquire(blocking=False):
-                try:
-                    if not pend.done:
-                        self._round()
-                finally:
-                    self._driver.release()
-                    with self._cv:
-                        self._cv.notify_all()
-            else:
-                with self._cv:
-                    self._cv.wait_for(lambda: pend.done or not self._driver.locked(), 0.05)
+            self._driver.turn(lambda: pend.done, self._round)
         if pend.error is not None:
             raise pend.error
         assert pend.result is not None
@@ -200,7 +189,7 @@ class SessionBatcher:
             )
         tree.validate(self.vocab_size, min(self.max_tree_nodes, MAX_NODES), self.max_tree_depth)
         tokens, parents, depths = tree.token_ids.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        with self._driver:  # placement and prefill never run beside a round
+        with self._driver.lock:  # placement and prefill never run beside a round
             if req.expected_prefix_length == 0:
                 if req.session_id not in self._sessions and not self._room():
                     return None

@@ -22,7 +22,6 @@ the others), so every round has the same shape: one pending token and a tree per
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Generator
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 from specsplit.core.ngram import Proposal
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.batch_plan import BatchPlanner
-from specsplit.engines.batched import BatchedTarget, PositionNoise, RowTree, batch_bucket
+from specsplit.engines.batched import BatchedTarget, PositionNoise, RoundDriver, RowTree, batch_bucket
 from specsplit.engines.drafters import NgramDrafter, NgramSession
 from specsplit.errors import ResourceExhausted
 from specsplit.pipeline.params import DecodeParams, generation_seeds
@@ -115,8 +114,8 @@ class BatchScheduler:
         self.max_waiting, self.gather_s = max_waiting, gather_s
         self._waiting: deque[Ticket] = deque()
         self._live: list[_Row] = []
-        self._cv = threading.Condition()
-        self._driver = threading.Lock()
+        self._driver = RoundDriver()
+        self._cv = self._driver.cv
         self.rounds = 0
 
     # ------------------------------------------------------------------ callers
@@ -174,14 +173,14 @@ class BatchScheduler:
                 self._waiting.remove(ticket)
                 self._finish_ticket(ticket)
                 return
-        if ticket.done or not self._driver.acquire(blocking=False):
+        if ticket.done or not self._driver.lock.acquire(blocking=False):
             return  # the round running now drops it
         try:
             finished = [r.ticket is ticket for r in self._live]
             if any(finished):
                 self._leave(finished)
         finally:
-            self._driver.release()
+            self._driver.lock.release()
 
     @property
     def live_rows(self) -> int:
@@ -193,22 +192,14 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ driving
     def _drive_or_wait(self, ticket: Ticket) -> None:
-        if self._driver.acquire(blocking=False):
-            try:
-                if not ticket.done and not ticket.rounds:
-                    self._step()
-            except BaseException as e:  # a failed round fails every row it held
-                self._fail_all(e)
-                raise
-            finally:
-                self._driver.release()
-                with self._cv:
-                    self._cv.notify_all()
-        else:
-            with self._cv:
-                self._cv.wait_for(
-                    lambda: ticket.done or bool(ticket.rounds) or not self._driver.locked(), 0.05
-                )
+        self._driver.turn(lambda: ticket.done or bool(ticket.rounds), self._guarded_step)
+
+    def _guarded_step(self) -> None:
+        try:
+            self._step()
+        except BaseException as e:  # a failed round fails every row it held
+            self._fail_all(e)
+            raise
 
     def _step(self) -> None:
         """One admission and one round for every live row (the driver lock held)."""

@@ -236,11 +236,7 @@ class StaticForward:
     def _replay(self, b: _Buffers, end: int) -> torch.Tensor:
         """Run the filled buffers ``b`` (their graph, or eagerly) and leave the cache at ``end``."""
         if b.graph is not None:
-            with torch.cuda.device(self.device):
-                b.graph.replay()
-            self.runner.forward_count += 1
-            assert b.logits is not None
-            out = b.logits
+            out = replay(b.graph, self.device, self.runner, b.logits)
         else:
             out = self._forward(b)
         self.cache.set_length(end)
@@ -297,6 +293,18 @@ class StaticForward:
         torch.add(ar[: n + 1], p - 1, out=b.keep)
         self.fill(b, padded, pos + self._ctx, self._ctx, block)
         return self._replay(b, ctx + size)
+
+
+def replay(
+    graph: torch.cuda.CUDAGraph, device: torch.device, runner: ModelRunner, out: torch.Tensor | None
+) -> torch.Tensor:
+    """Replay a captured forward on its device, count it as the runner's forward, return its output
+    buffer ``out``."""
+    with torch.cuda.device(device):
+        graph.replay()
+    runner.forward_count += 1
+    assert out is not None
+    return out
 
 
 class GraphedRound:
