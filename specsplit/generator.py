@@ -543,8 +543,9 @@ class SpecSplitGenerator:
             if sched is not None:
                 slots, capacity = max(slots, sched.target.slots), max(capacity, sched.target.capacity)
             self._scheduler = None  # the old pool's memory goes before the new one is allocated
+            cfg = self.target_engine.config
             pool = BatchedTarget(
-                self.target_engine.runner, slots, capacity, use_graphs=self.config.target.cuda_graphs
+                self.target_engine.runner, slots, capacity, use_graphs=cfg.cuda_graphs, compile=cfg.compile
             )
             self._scheduler = BatchScheduler(
                 pool, min(self.config.max_batch, pool.slots), self._batch_planner

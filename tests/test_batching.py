@@ -384,3 +384,33 @@ def test_session_batcher_keeps_room_for_any_round_and_checks_requests(llama_targ
     assert [b.next_token_id, nxt.next_token_id] == _alone(llama_target, PROMPTS[2][:8], 2)
     with pytest.raises(ResourceExhausted):
         sb.verify(VerifyRequest("b", empty, [nxt.next_token_id] + [5] * 10, 9))  # would leave too little room
+
+
+def test_compiled_rounds_trace_whole_and_commit_what_eager_rounds_commit(llama_target, monkeypatch):
+    """``compile=True`` sends every round's forward (not the prompts') through ``torch.compile``;
+    traced with no graph break by the ``aot_eager`` backend (no C++ build on CPU), the rounds of
+    a batch whose size shrinks as rows end commit exactly what the eager rounds commit."""
+    import functools
+
+    from specsplit.engines import batched
+
+    compiled = []
+    real_compile = torch.compile
+
+    def fake_compile(fn, **kw):
+        compiled.append(fn)
+        return functools.partial(real_compile, backend="aot_eager", fullgraph=True)(fn, **kw)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(batched.torch, "compile", fake_compile)
+    ids, mask = left_padded(PROMPTS[:5])
+    outs = []
+    for compile in (False, True):
+        cfg = SpecSplitConfig(drafter="ngram", max_batch=4)
+        cfg.target.compile = compile
+        with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
+            outs.append(gen.generate(ids, attention_mask=mask, max_new_tokens=20))
+            assert gen._batched is not None
+    assert [fn.__name__ for fn in compiled] == ["_round_forward"]
+    assert torch.equal(outs[0], outs[1])
+    torch._dynamo.reset()

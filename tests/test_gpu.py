@@ -577,6 +577,31 @@ def test_batched_rounds_on_cuda_graphs_exact(llama_target, do_sample):
             assert row[: len(ref)] == ref
 
 
+def test_compiled_batched_rounds_equal_hf_alone(llama_target):
+    """Batched rounds fused by torch.compile and replayed from graphs (a batch that shrinks as rows
+    end: several batch buckets, one dynamic compile) give every greedy row HF generate() alone."""
+    import copy
+
+    from specsplit.bench.batch import left_padded
+
+    torch._dynamo.reset()
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    prompts = PROMPTS + [[1, 2, 3, 1, 2, 3, 1, 2, 3], [90], [11, 12, 13, 11, 12, 13, 11]]
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
+    cfg = SpecSplitConfig(
+        drafter="ngram", max_batch=8, target=TargetConfig(cuda_graphs=True, compile=True, dtype="float32")
+    )
+    with SpecSplitGenerator(target, None, config=cfg) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        assert gen._batched is not None and gen._batched.captures >= 2 and gen._batched._step is not None
+    for b, p in enumerate(prompts):
+        ref = llama_target.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        assert out[b, width:].tolist()[: len(ref)] == ref
+
+
 def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
     """A greedy batched round on the graph path makes no device-to-host read but its outcome's."""
     import copy

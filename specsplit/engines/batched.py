@@ -34,7 +34,7 @@ from specsplit.core.sampling import SamplingParams, logits_to_probs, position_no
 from specsplit.errors import ResourceExhausted
 from specsplit.runtime.attention import FOLD_KWARG
 from specsplit.runtime.batched_kv import BatchedKVCache
-from specsplit.runtime.graphs import kv_bucket, replay
+from specsplit.runtime.graphs import kv_bucket, raise_recompile_limit, replay
 from specsplit.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -127,9 +127,15 @@ class BatchedTarget:
         slots: sequences held at once (the largest batch).
         capacity: tokens per sequence (prompt + new tokens + the largest tree).
         use_graphs: capture CUDA graphs (CUDA only).
+        compile: fuse the rounds' forwards with ``torch.compile`` before capture (prompt forwards
+            stay eager). The first round of a new shape compiles; after the second shape the
+            compiled forward takes any batch, tree and KV size (dynamic shapes), so later shapes
+            only capture.
     """
 
-    def __init__(self, runner: ModelRunner, slots: int, capacity: int, use_graphs: bool = True):
+    def __init__(
+        self, runner: ModelRunner, slots: int, capacity: int, use_graphs: bool = True, compile: bool = False
+    ):
         model = runner.require()
         devices: dict[str, Any] = getattr(model, "hf_device_map", None) or {}
         if len(set(devices.values())) > 1:
@@ -154,6 +160,10 @@ class BatchedTarget:
         self.attention_kwargs = dict(runner.attention_kwargs)
         if self.attention_kwargs and self.device.type == "cuda":
             self.attention_kwargs[FOLD_KWARG] = "math"
+        self._step: Any = None
+        if compile:
+            raise_recompile_limit(64)
+            self._step = torch.compile(self._round_forward)
 
     def noise_for(self, seed: int | None, depth: int) -> PositionNoise | None:
         """A row's noise ring for rounds of trees up to ``depth - 1`` nodes (None unseeded)."""
@@ -331,13 +341,24 @@ class BatchedTarget:
         rnd.mask[:, 0].copy_(torch.where(seen, 0.0, self._neg))
         self.cache.bind(rnd.wpos, kv, 0)
         try:
-            return self._model_call(rnd.ids, rnd.pos, rnd.mask, q)
+            self.runner.forward_count += 1
+            step = self._step or self._round_forward
+            out: torch.Tensor = step(rnd.ids, rnd.pos, rnd.mask)
+            return out
         finally:
             self.cache.bind(None)
+
+    def _round_forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A round's model call (what ``torch.compile`` fuses): static buffers in, every row's logits out."""
+        return self._logits(ids, pos, mask, ids.shape[1])
 
     def _model_call(
         self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int
     ) -> torch.Tensor:
+        self.runner.forward_count += 1
+        return self._logits(ids, pos, mask, keep)
+
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
         out = self.runner.require()(
             input_ids=ids,
             position_ids=pos,
@@ -347,7 +368,6 @@ class BatchedTarget:
             logits_to_keep=keep,
             **self.attention_kwargs,
         )
-        self.runner.forward_count += 1
         logits: torch.Tensor = out.logits
         return logits
 

@@ -341,18 +341,24 @@ def _batch_scheduler(
     """The shared batched rounds of a target worker (None when ``max_batch`` < 2)."""
     if max_batch < 2:
         return None
-    pool = BatchedTarget(engine.runner, batch_bucket(max_batch, BATCH_LIMIT), capacity, use_graphs=graphs)
+    pool = _pool(engine, max_batch, capacity, graphs)
     logger.info("batched rounds: %d rows of %d positions (%.2f GB of KV)", pool.slots, capacity,
                 pool.cache.memory_bytes() / 1e9)  # fmt: skip
     # Rows past the open calls cannot wait: each waiting row is a call holding a request thread.
     return BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
 
 
+def _pool(engine: Any, max_batch: int, capacity: int, graphs: bool) -> BatchedTarget:
+    """A batched-rounds KV pool for ``max_batch`` rows on the worker's target (compiled as its engine is)."""
+    slots = batch_bucket(max_batch, BATCH_LIMIT)
+    return BatchedTarget(engine.runner, slots, capacity, use_graphs=graphs, compile=engine.config.compile)
+
+
 def _session_batcher(engine: Any, max_batch: int, capacity: int, graphs: bool) -> SessionBatcher | None:
     """The pool where concurrent client-loop sessions' verifications share forwards (``max_batch`` >= 2)."""
     if max_batch < 2:
         return None
-    pool = BatchedTarget(engine.runner, batch_bucket(max_batch, BATCH_LIMIT), capacity, use_graphs=graphs)
+    pool = _pool(engine, max_batch, capacity, graphs)
     cfg = engine.config
     return SessionBatcher(
         pool, engine.model_vocab_size, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.session_ttl_s

@@ -100,7 +100,7 @@ class StaticForward:
         self.captures = 0
         self._step: Any = None
         if compile:
-            _raise_recompile_limit(64)  # one graph per (tokens, bucket); shapes go dynamic after two
+            raise_recompile_limit(64)  # one graph per (tokens, bucket); shapes go dynamic after two
             self._step = torch.compile(self._model_step)
 
     @property
@@ -409,7 +409,8 @@ class GraphedRound:
         logger.info("captured a CUDA graph for a whole round (%d inputs)", len(self.inputs))
 
 
-def _raise_recompile_limit(n: int) -> None:
+def raise_recompile_limit(n: int) -> None:
+    """Let ``torch.compile`` keep at least ``n`` compiled variants of one function (one per shape)."""
     cfg: Any = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < n:
