@@ -414,3 +414,64 @@ def test_compiled_rounds_trace_whole_and_commit_what_eager_rounds_commit(llama_t
     assert [fn.__name__ for fn in compiled] == ["_round_forward"]
     assert torch.equal(outs[0], outs[1])
     torch._dynamo.reset()
+
+
+def test_chain_drafts_are_each_rows_greedy_continuation(llama_target):
+    """A chain draft writes each row's new tokens (one to several, ragged) and drafts ``k`` greedy
+    tokens for every row in one call; the next call continues from what the rows committed."""
+    from specsplit.engines.batched import ChainRow
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    pool = BatchedTarget(runner, slots=4, capacity=96)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5]]
+    held = [1, 3, 2]  # new tokens each row brings to its first draft
+    pool.prefill(0, [p[:-h] for p, h in zip(prompts, held, strict=True)])
+    truth = [_alone(llama_target, p, 12) for p in prompts]
+    rows = [ChainRow(len(p) - h, p[-h:]) for p, h in zip(prompts, held, strict=True)]
+    assert pool.chain(rows, 5) == [t[:5] for t in truth]
+    # Next call: row 0 accepted 2 drafts + the target's token, row 1 all 5 + one, row 2 none + one.
+    took = [3, 6, 1]
+    rows = [ChainRow(len(p), t[:m]) for p, t, m in zip(prompts, truth, took, strict=True)]
+    assert pool.chain(rows, 4) == [t[m : m + 4] for t, m in zip(truth, took, strict=True)]
+    # Fewer rows (a smaller batch bucket), one draft token.
+    assert pool.chain([ChainRow(len(prompts[0]) + 3, truth[0][3:5])], 1) == [truth[0][5:6]]
+
+
+def test_draft_batcher_drafts_each_sessions_greedy_chain_and_checks_requests(llama_target):
+    """Chain-draft sessions in a pool: a new session's long prompt, then rounds that bring ragged new
+    tokens, each drafting the model's greedy continuation; desync, bad ids, other tree shapes and
+    empty requests refused without changing anything; an ended session's slot goes to the last one."""
+    from specsplit.config import TreeConfig
+    from specsplit.engines.batched_sessions import MAX_CHAIN, MAX_INGEST, DraftBatcher
+    from specsplit.errors import CacheDesyncError, InvalidRequest
+    from specsplit.messages import DraftRequest
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    db = DraftBatcher(BatchedTarget(runner, slots=2, capacity=64 + MAX_INGEST + MAX_CHAIN), runner.vocab_size,
+                      gather_s=0.0)  # fmt: skip
+    chain4 = TreeConfig(shape="chain", num_draft_tokens=4)
+    long_prompt = (PROMPTS[5] * 2)[:20]  # more than MAX_INGEST tokens: written before the shared call
+    a = db.draft(DraftRequest("a", long_prompt, 0, chain4))
+    b = db.draft(DraftRequest("b", PROMPTS[2], 0, chain4))
+    truth_a, truth_b = _alone(llama_target, long_prompt, 10), _alone(llama_target, PROMPTS[2], 10)
+    assert a.tree.token_ids.tolist() == truth_a[:4] and a.prefix_length == 20
+    assert b.tree.token_ids.tolist() == truth_b[:4] and b.tree.parents.tolist() == [-1, 0, 1, 2]
+    # a accepted 2 drafts + the target's token; b accepted all 4 + one, asking for 2 tokens only
+    a2 = db.draft(DraftRequest("a", truth_a[:3], 20, chain4))
+    b2 = db.draft(DraftRequest("b", truth_b[:5], len(PROMPTS[2]), chain4, max_depth=2))
+    assert a2.tree.token_ids.tolist() == truth_a[3:7] and a2.prefix_length == 23
+    assert b2.tree.token_ids.tolist() == truth_b[5:7]
+    with pytest.raises(CacheDesyncError):
+        db.draft(DraftRequest("a", [1], 5, chain4))
+    with pytest.raises(InvalidRequest):
+        db.draft(DraftRequest("a", [10**6], 23, chain4))
+    with pytest.raises(InvalidRequest):
+        db.draft(DraftRequest("a", [], 23, chain4))
+    with pytest.raises(InvalidRequest):
+        db.draft(DraftRequest("a", [1], 23, TreeConfig(shape="dynamic")))
+    assert not db.takes(DraftRequest("c", [1], 0, chain4))  # both slots in use
+    assert not db.takes(DraftRequest("c", [1], 0, TreeConfig(shape="dynamic")))
+    assert db.end("a") and db.live_sessions == 1
+    # b moved into slot 0 and continues its text
+    b3 = db.draft(DraftRequest("b", truth_b[5:8], len(PROMPTS[2]) + 5, chain4))
+    assert b3.tree.token_ids.tolist() == truth_b[8:10] + _alone(llama_target, PROMPTS[2], 12)[10:12]

@@ -602,6 +602,33 @@ def test_compiled_batched_rounds_equal_hf_alone(llama_target):
         assert out[b, width:].tolist()[: len(ref)] == ref
 
 
+def test_batched_chain_drafts_on_cuda_graphs_equal_hf_greedy(llama_target):
+    """Chain drafts replayed from graphs (ragged new tokens, two batch buckets) draft each row's
+    greedy continuation, as HF generate() alone gives it."""
+    import copy
+
+    from specsplit.engines.batched import BatchedTarget, ChainRow
+    from specsplit.runtime.runner import ModelRunner
+
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    pool = BatchedTarget(ModelRunner(target, None, "cuda:0", None, "float32"), slots=4, capacity=256)
+    prompts = [PROMPTS[0], PROMPTS[2], [1, 2, 3, 1, 2, 3]]
+    truth = [
+        llama_target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    held = [1, 3, 2]
+    pool.prefill(0, [p[:-h] for p, h in zip(prompts, held, strict=True)])
+    rows = [ChainRow(len(p) - h, p[-h:]) for p, h in zip(prompts, held, strict=True)]
+    for _ in range(2):  # the second call replays the captured graph
+        assert pool.chain(rows, 5) == [t[:5] for t in truth]
+    took = [3, 6, 1]
+    rows = [ChainRow(len(p), t[:m]) for p, t, m in zip(prompts, truth, took, strict=True)]
+    assert pool.chain(rows, 4) == [t[m : m + 4] for t, m in zip(truth, took, strict=True)]
+    assert pool.chain(rows[:1], 4) == [truth[0][3:7]]  # batch bucket 1
+    assert pool.captures >= 3
+
+
 def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
     """A greedy batched round on the graph path makes no device-to-host read but its outcome's."""
     import copy

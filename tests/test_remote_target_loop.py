@@ -540,19 +540,21 @@ def test_batched_worker_frees_a_cancelled_row_and_keeps_serving(engines) -> None
         srv.stop(grace=1.0)
 
 
-def test_batched_worker_gathers_client_loop_verifications(engines) -> None:
+@pytest.mark.parametrize("draft_batch", [False, True])
+def test_batched_worker_gathers_client_loop_verifications(engines, draft_batch) -> None:
     """Client loop (the client calls the draft worker, then the target worker, every round) against a
     target worker with max_batch: concurrent greedy sessions' VerifyDrafts share forwards, every client
-    gets what a non-batching worker gives it, and ended sessions free their slots."""
+    gets what a non-batching worker gives it, and ended sessions free their slots. With max_batch on
+    the draft worker too, the sessions' chain drafts share forwards there as well."""
     ids, _ = prompts(5, seed=31)
-    d_srv = serve_draft(engines[0])
     outs: dict[int, list[torch.Tensor]] = {}
-    try:
-        for max_batch in (0, 4):
+    for max_batch in (0, 4):
+        d_srv = serve_draft(engines[0], max_batch=max_batch if draft_batch else 0, batch_capacity=256)
+        try:
             t_srv = serve_target(engines[1], max_batch=max_batch, batch_capacity=256)
             start = threading.Barrier(ids.shape[0])
 
-            def client(i: int, t_srv=t_srv, start=start) -> torch.Tensor:  # noqa: ANN001
+            def client(i: int, t_srv=t_srv, d_srv=d_srv, start=start) -> torch.Tensor:  # noqa: ANN001
                 cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=t_srv.address,
                                       tree=TREES["chain4"], timeout_s=60.0)  # fmt: skip
                 with SpecSplitGenerator(config=cfg) as gen:
@@ -569,10 +571,18 @@ def test_batched_worker_gathers_client_loop_verifications(engines) -> None:
                     assert wait_until(lambda t=t_srv: t.sessions.live_sessions == 0, timeout=10)
                     # 5 clients, 4 slots: one session took the engine's own path, and ended there too
                     assert wait_until(lambda: engines[1].active_sessions == 0, timeout=10)
+                    if draft_batch:
+                        drafts = d_srv.sessions
+                        assert drafts is not None and 0 < drafts.rounds
+                        assert drafts.rounds < sum(
+                            r.drafter == "model" for x in res for r in x.spec_stats.rounds
+                        )
+                        assert wait_until(lambda d=drafts: d.live_sessions == 0, timeout=10)
+                        assert wait_until(lambda: engines[0].active_sessions == 0, timeout=10)
             finally:
                 t_srv.stop(grace=1.0)
             outs[max_batch] = [r.sequences for r in res]
-    finally:
-        d_srv.stop(grace=1.0)
+        finally:
+            d_srv.stop(grace=1.0)
     for i in range(ids.shape[0]):
         assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"

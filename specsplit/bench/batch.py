@@ -224,7 +224,8 @@ def _client_cells(
     target worker in this process that batches concurrent calls (``max_batch`` = the largest N):
     ``grpc-plain`` / ``grpc-ngram`` make one ``Generate`` call (``grpc_loop="target"``);
     ``grpc-model-clientloop`` runs the rounds itself, drafting on a draft worker in this process
-    (greedy sessions' verifications batched on the target worker)."""
+    (greedy sessions' chain drafts batched on the draft worker, their verifications on the target
+    worker)."""
     from specsplit import DraftEngine, SpecSplitConfig, SpecSplitGenerator, TargetEngine
     from specsplit.config import DraftConfig, Drafter, TargetConfig
     from specsplit.remote import serve_draft, serve_target
@@ -239,7 +240,8 @@ def _client_cells(
     d_srv = None
     if m.draft is not None:
         d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
-        d_srv = serve_draft(d_engine, max_workers=most + 4, admission=limits)
+        d_srv = serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
+                            batch_capacity=-(-need // 256) * 256)  # fmt: skip
     cells: list[dict[str, Any]] = []
     try:
         for name in [d for d in opts.decoders if d in (*CLIENT_DECODERS, CLIENT_LOOP_DECODER)]:

@@ -133,16 +133,17 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--max-batch",
         type=int,
         default=0,
-        help="target: rows a batched round holds: concurrent Generate calls (grpc_loop='target') that need "
+        help="rows a batched forward holds. Target: concurrent Generate calls (grpc_loop='target') that need "
         "no draft worker (n-gram drafting, or target-only) share one target forward per round "
         "(continuous batching), and greedy client-loop sessions' VerifyDrafts calls are verified "
-        "together; 0 (default): each call runs its own rounds",
+        "together. Draft: greedy client-loop sessions' chain drafts are drafted together. "
+        "0 (default): each call runs its own rounds",
     )
     p.add_argument(
         "--batch-capacity",
         type=int,
         default=4096,
-        help="target, with --max-batch: positions (prompt + new tokens) a batched row may need; longer "
+        help="with --max-batch: positions (prompt + new tokens) a batched row or session may need; longer "
         "generations run their own rounds",
     )
     p.add_argument(
@@ -329,8 +330,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.drafter is not None:
         draft_peer["drafter"] = args.drafter
     if args.max_batch:
-        if args.role == "draft":
-            raise ConfigError("--max-batch and --batch-capacity are target options")
         if not 0 <= args.max_batch <= BATCH_LIMIT or args.batch_capacity < 16:
             raise ConfigError(f"--max-batch must be in 0..{BATCH_LIMIT} and --batch-capacity >= 16")
         draft_peer |= {"max_batch": args.max_batch, "batch_capacity": args.batch_capacity}
@@ -378,9 +377,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         engine = TargetEngine(_load(args), config=tcfg)
     if args.role == "draft":
+        batching = {k: v for k, v in draft_peer.items() if k in ("max_batch", "batch_capacity")}
         server = serve_draft(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
                              auth_token=token, limits=limits, admission=admission,
-                             tree_slots=args.tree_ipc is not False)  # fmt: skip
+                             tree_slots=args.tree_ipc is not False, **batching)  # fmt: skip
     else:
         server = serve_target(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
                               auth_token=token, limits=limits, admission=admission, **draft_peer)  # fmt: skip

@@ -9,6 +9,9 @@ write slots; greedy or lossless sampled acceptance for every row at once (ragged
 its own path); the accepted KV of each row moved behind its pending token; ONE host read of every
 row's outcome.
 
+The same pool over a draft model drafts greedy chains for many sessions at once (:meth:`BatchedTarget.chain`:
+a draft worker's client-loop sessions, :class:`~specsplit.engines.batched_sessions.DraftBatcher`).
+
 On CUDA a round's static part (inputs written from one staging copy, mask, forward, and for greedy
 rounds the argmax, acceptance and KV move) is captured once per (batch bucket, tree size, KV bucket)
 as one CUDA graph, so every row of every batch size is on the graph path. Batches are padded to a
@@ -105,6 +108,27 @@ class RowOutcome:
 
 
 @dataclass
+class ChainRow:
+    """One row of a chain draft: what its slot holds and the committed tokens it does not hold yet
+    (at least one; the last one is fed first and the chain continues from it)."""
+
+    length: int
+    tokens: list[int]
+
+
+@dataclass
+class _Chain:
+    """Static buffers (and graph) of one (batch bucket, ingest width, chain length, KV bucket) draft."""
+
+    stage: torch.Tensor  # [B, 2 + W] int64: length, token count, tokens
+    host: torch.Tensor  # [B, 2 + W] pinned twin of ``stage``
+    ingest: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ids, pos, wpos [B, W], mask
+    level: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # ids, pos, wpos [B, 1], mask
+    out: torch.Tensor | None = None  # [B, K] drafted tokens
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+@dataclass
 class _Round:
     """Static buffers (and graph) of one (batch bucket, nodes, KV bucket) round shape."""
 
@@ -146,6 +170,7 @@ class BatchedTarget:
         self.slots, self.capacity = slots, capacity
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._rounds: dict[tuple[int, int, int, bool], _Round] = {}
+        self._chains: dict[tuple[str, int, int, int, int], _Chain] = {}
         self._ar = torch.arange(capacity, device=self.device)
         self._neg = torch.finfo(runner.dtype).min
         self._pool: Any = None
@@ -250,7 +275,8 @@ class BatchedTarget:
         rnd = self._round_buffers(bp, n, kv_bucket(end, self.capacity), greedy)
         self._stage(rnd, rows, n)
         if self.use_graphs and rnd.graph is None:
-            self._capture(rnd, n, sampling)
+            what = f"round ({bp} rows x {n} nodes over {rnd.mask.shape[-1]} key slots)"
+            rnd.graph, rnd.out = self._capture(rnd.stage, lambda: self._body(rnd, n, sampling), what)
         if rnd.graph is not None:
             out = replay(rnd.graph, self.device, self.runner, rnd.out)
         else:
@@ -339,11 +365,17 @@ class BatchedTarget:
         seen = anc.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(bp, q, kv)) & in_block[:, None, :]
         seen |= (rel < 0)[:, None, :]
         rnd.mask[:, 0].copy_(torch.where(seen, 0.0, self._neg))
-        self.cache.bind(rnd.wpos, kv, 0)
+        return self._forward_at(rnd.ids, rnd.pos, rnd.wpos, rnd.mask)
+
+    def _forward_at(
+        self, ids: torch.Tensor, pos: torch.Tensor, wpos: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """A forward of the first ``B`` slots writing at ``wpos`` (compiled when asked)."""
+        self.cache.bind(wpos, mask.shape[-1], 0)
         try:
             self.runner.forward_count += 1
             step = self._step or self._round_forward
-            out: torch.Tensor = step(rnd.ids, rnd.pos, rnd.mask)
+            out: torch.Tensor = step(ids, pos, mask)
             return out
         finally:
             self.cache.bind(None)
@@ -428,28 +460,113 @@ class BatchedTarget:
         choice = (probs / per_row).argmax(dim=-1)
         return self._accept(rnd, choice, n)
 
-    def _capture(self, rnd: _Round, n: int, sampling: SamplingParams) -> None:
-        """Capture the round's static part (warm-up runs write only positions past each row's
-        committed length: a staged round never moves committed KV)."""
+    def _capture(
+        self, stage: torch.Tensor, body: Callable[[], torch.Tensor], what: str
+    ) -> tuple[Any, torch.Tensor]:
+        """Capture ``body`` (device ops reading ``stage``) as one graph; ``(graph, its output)``.
+        Warm-up runs write only positions past each row's committed length: a staged round never
+        moves committed KV."""
         with CAPTURE_LOCK, torch.cuda.device(self.device):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            snapshot = rnd.stage.clone()
+            snapshot = stage.clone()
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    rnd.stage.copy_(snapshot)
-                    self._body(rnd, n, sampling)
+                    stage.copy_(snapshot)
+                    body()
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            rnd.stage.copy_(snapshot)
+            stage.copy_(snapshot)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                rnd.out = self._body(rnd, n, sampling)
-            rnd.graph = graph
+                out = body()
             self.captures += 1
-            logger.info(
-                "captured a batched round graph: %d rows x %d nodes over %d key slots",
-                rnd.ids.shape[0], n, rnd.mask.shape[-1],
-            )  # fmt: skip
+            logger.info("captured a batched %s graph", what)
+            return graph, out
+
+    # ------------------------------------------------------------------ chain drafts
+    @torch.inference_mode()
+    def chain(self, rows: list[ChainRow], k: int) -> list[list[int]]:
+        """Greedy chain drafts for ``rows`` (slots ``0 .. len(rows) - 1``): each row's new tokens
+        written behind its committed length in one forward (whose last real row gives the first
+        draft token), then ``k - 1`` one-token forwards for every row at once; ONE host read.
+
+        Each row's slot then holds its committed length + its new tokens; the drafted tokens' KV
+        (written past it) is overwritten by the next call. Returns `k` tokens per row."""
+        b = len(rows)
+        if not 0 < b <= self.slots or k < 1:
+            raise ValueError(f"a chain draft takes 1..{self.slots} rows and k >= 1, got {b} rows, k={k}")
+        width = max(len(r.tokens) for r in rows)
+        if min(len(r.tokens) for r in rows) < 1:
+            raise ValueError("every chain row needs at least one new token")
+        width = 1 << (width - 1).bit_length()  # padded to a power of two: few graph shapes
+        end = max(r.length for r in rows) + width + k
+        if end > self.capacity:
+            raise ResourceExhausted(f"a chain draft needs {end} positions; a slot holds {self.capacity}")
+        bp = batch_bucket(b, self.slots)
+        ch = self._chain_buffers(bp, width, k, kv_bucket(end, self.capacity))
+        host = ch.host.numpy()
+        host[:] = 0
+        host[:, 1] = 1  # padding rows: one token at position 0 of a free slot
+        for i, r in enumerate(rows):
+            host[i, 0], host[i, 1] = r.length, len(r.tokens)
+            host[i, 2 : 2 + len(r.tokens)] = r.tokens
+        ch.stage.copy_(ch.host, non_blocking=True)
+        if self.use_graphs and ch.graph is None:
+            ch.graph, ch.out = self._capture(
+                ch.stage, lambda: self._chain_body(ch, k), f"chain draft ({bp} rows, k={k})"
+            )
+        if ch.graph is not None:
+            out = replay(ch.graph, self.device, self.runner, ch.out)
+        else:
+            out = self._chain_body(ch, k)
+        return read_outcome(out[:b])
+
+    def _chain_buffers(self, bp: int, width: int, k: int, kv: int) -> _Chain:
+        key = ("chain", bp, width, k, kv)
+        ch = self._chains.get(key)
+        if ch is None:
+            dev, dt = self.device, self.runner.dtype
+
+            def inputs(q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                z = [torch.zeros(bp, q, dtype=torch.long, device=dev) for _ in range(3)]
+                return z[0], z[1], z[2], torch.zeros(bp, 1, q, kv, dtype=dt, device=dev)
+
+            host = torch.empty(bp * (2 + width), dtype=torch.long)
+            if dev.type == "cuda":
+                host = empty_pinned(bp * (2 + width), torch.long)
+            ch = self._chains[key] = _Chain(
+                stage=torch.zeros(bp, 2 + width, dtype=torch.long, device=dev),
+                host=host.view(bp, 2 + width),
+                ingest=inputs(width),
+                level=inputs(1),
+            )
+        return ch
+
+    def _chain_body(self, ch: _Chain, k: int) -> torch.Tensor:
+        """Device ops only (one graph): the ingest forward, then ``k - 1`` levels, argmax each."""
+        st = ch.stage
+        width = st.shape[1] - 2
+        lens, count = st[:, :1], st[:, 1:2]
+        ids, pos, wpos, mask = ch.ingest
+        kv = mask.shape[-1]
+        rel = self._ar[:kv][None] - lens  # [B, kv] slot relative to the first new token's
+        ids.copy_(st[:, 2:])
+        torch.add(self._ar[:width][None], lens, out=pos)
+        wpos.copy_(pos)
+        mask[:, 0].copy_(torch.where(rel[:, None, :] <= self._ar[:width][None, :, None], 0.0, self._neg))
+        logits = self._forward_at(ids, pos, wpos, mask)  # [B, W, V]
+        last = logits.gather(1, (count - 1)[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+        tok = last.argmax(dim=-1, keepdim=True)  # [B, 1]
+        drafted = [tok]
+        ids, pos, wpos, mask = ch.level
+        for i in range(1, k):  # token i of the chain sits right after the new tokens + i - 1 drafts
+            ids.copy_(tok)
+            torch.add(lens, count + (i - 1), out=pos)
+            wpos.copy_(pos)
+            mask[:, 0, 0].copy_(torch.where(rel <= count + (i - 1), 0.0, self._neg))
+            tok = self._forward_at(ids, pos, wpos, mask)[:, -1].argmax(dim=-1, keepdim=True)
+            drafted.append(tok)
+        return torch.cat(drafted, dim=1)
 
 
 class RoundDriver:

@@ -1,4 +1,5 @@
-"""Concurrent sessions' verifications gathered into batched forwards (a target worker, client loop).
+"""Concurrent client-loop sessions gathered into batched forwards: verifications on a target
+worker (:class:`SessionBatcher`), greedy chain drafts on a draft worker (:class:`DraftBatcher`).
 
 With the client loop every client calls ``VerifyDrafts`` once a round, each for its own session.
 :class:`SessionBatcher` keeps each such session's KV in a slot of a
@@ -11,27 +12,36 @@ Whoever waits for a result runs the gathered round for everyone (a driver lock, 
 
 What it takes: greedy verification of trees of at most :data:`MAX_NODES` nodes, without logits
 processors or returned scores (other requests, and sessions that start otherwise or that would not
-fit a slot, keep the engine's own per-session path). A session is placed when it starts (``expected_prefix_length == 0``) and stays where it was
-placed; ``end`` frees its slot, and sessions idle past the TTL give theirs up when a new one needs
-it.
+fit a slot, keep the engine's own per-session path). A session is placed when it starts
+(``expected_prefix_length == 0``) and stays where it was placed; ``end`` frees its slot, and
+sessions idle past the TTL give theirs up when a new one needs it. :class:`DraftBatcher` does the
+same for the draft side of those sessions.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
 
 from specsplit.core.sampling import SamplingParams
+from specsplit.core.tree import TokenTree
 from specsplit.engines.base import desync_error
-from specsplit.engines.batched import BatchedTarget, RoundDriver, RowOutcome, RowTree
+from specsplit.engines.batched import BatchedTarget, ChainRow, RoundDriver, RowOutcome, RowTree
 from specsplit.errors import InvalidRequest, ResourceExhausted
-from specsplit.messages import VerifyRequest, VerifyResult, WorkerStats
+from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerStats
+
+R = TypeVar("R")
 
 GATHER_S = 0.002  # how long a round waits for the other live sessions' requests
 # Most tree nodes a batched session's request may carry. Every live session rides in every round
 # (inert or not), writing up to this + 1 positions past its committed length, so a session keeps
 # that much of its slot free.
 MAX_NODES = 64
+MAX_CHAIN = 16  # longest chain a batched draft session may ask for
+MAX_INGEST = 16  # newly committed tokens a chain draft writes in its shared forward (more: on their own)
 
 
 @dataclass
@@ -43,45 +53,32 @@ class _Session:
 
 
 @dataclass
-class _Pending:
+class _Pending(Generic[R]):
     session: _Session
-    row: RowTree
-    depth: int
-    result: RowOutcome | None = None
+    row: Any  # what the request asks of the shared call (a RowTree, a ChainRow)
+    depth: int = 0  # chain drafts: tokens asked for
+    result: R | None = None
     error: BaseException | None = None
     done: bool = False
 
 
-class SessionBatcher:
-    """Client-loop verifications of concurrent sessions in shared forwards (module docstring).
+class _SessionSlots(Generic[R]):
+    """Sessions in the slots of one pool and their requests gathered into shared calls: placement
+    (a session keeps its slot until it ends or, idle past the TTL, a new session needs it), the
+    bounded wait, and the driving (whoever waits runs the gathered call for everyone)."""
 
-    Args:
-        target: the pool (one slot per session).
-        vocab_size / max_tree_nodes / max_tree_depth: request limits (the engine's).
-        ttl_s: a session idle this long may lose its slot to a new session.
-        gather_s: the bounded wait for other sessions' requests before a round.
-    """
+    reserve = MAX_NODES + 1  # positions past its committed length any call of the batch may write
 
-    def __init__(
-        self,
-        target: BatchedTarget,
-        vocab_size: int,
-        max_tree_nodes: int,
-        max_tree_depth: int,
-        ttl_s: float = 600.0,
-        gather_s: float = GATHER_S,
-    ):
+    def __init__(self, target: BatchedTarget, ttl_s: float, gather_s: float):
         self.target = target
-        self.vocab_size, self.max_tree_nodes, self.max_tree_depth = vocab_size, max_tree_nodes, max_tree_depth
         self.ttl_s, self.gather_s = ttl_s, gather_s
         self._sessions: dict[str, _Session] = {}
         self._order: list[_Session] = []  # by slot
-        self._queue: list[_Pending] = []
+        self._queue: list[_Pending[R]] = []
         self._driver = RoundDriver()
         self._cv = self._driver.cv
         self.rounds = 0
 
-    # ------------------------------------------------------------------ placement
     def holds(self, key: str) -> bool:
         with self._cv:
             return key in self._sessions
@@ -90,17 +87,10 @@ class SessionBatcher:
     def live_sessions(self) -> int:
         return len(self._order)
 
-    def takes(self, req: VerifyRequest) -> bool:
-        """Whether ``req`` is verified here: its session is here, or it starts a session this pool
-        can hold (greedy, no processors, no returned scores, prompt + hint within a slot)."""
-        if self.holds(req.session_id):
-            return True
-        if req.expected_prefix_length != 0 or req.sampling.do_sample or req.processing is not None:
-            return False
-        if req.return_scores or req.return_logits:
-            return False
-        need = max(req.capacity_hint, len(req.pending_token_ids)) + 1 + MAX_NODES
-        return req.tree.num_nodes <= MAX_NODES and need <= self.target.capacity and self._room()
+    def _fits(self, capacity_hint: int, first: int) -> bool:
+        """A new session of ``first`` tokens growing to ``capacity_hint`` fits a slot, and one is free."""
+        need = max(capacity_hint, first) + self.reserve
+        return need <= self.target.capacity and self._room()
 
     def _room(self) -> bool:
         """A free slot, or one held by a session idle past the TTL."""
@@ -143,6 +133,101 @@ class SessionBatcher:
         self._order.append(s)
         return s
 
+    def _session_for(self, key: str, expected: int, side: str, new_tokens: int) -> _Session | None:
+        """The session a request with ``expected`` committed tokens speaks for (driver lock held):
+        placed anew when ``expected`` is 0 (None when no slot is free after all), else the one
+        held, checked for desync and for room to grow by ``new_tokens`` and any call's writes."""
+        if expected == 0:
+            if key not in self._sessions and not self._room():
+                return None
+            s = self._place(key)
+        else:
+            got = self._sessions.get(key)
+            if got is None:
+                raise InvalidRequest(f"session {key!r} is not served in batched rounds")
+            s = got
+            if s.length != expected:
+                raise desync_error(side, key, s.length, expected)
+        end = s.length + new_tokens + self.reserve
+        if end > self.target.capacity:
+            raise ResourceExhausted(f"session would need {end} positions; a batched slot holds "
+                                    f"{self.target.capacity}")  # fmt: skip
+        s.used = time.monotonic()
+        return s
+
+    def _submit(self, pend: _Pending[R]) -> R:
+        """Queue ``pend`` and drive or wait until its call ran; its result."""
+        with self._cv:
+            self._queue.append(pend)
+            self._cv.notify_all()
+        while not pend.done:
+            self._driver.turn(lambda: pend.done, self._gathered)
+        if pend.error is not None:
+            raise pend.error
+        assert pend.result is not None
+        return pend.result
+
+    def _gathered(self) -> None:
+        """One gathered call (driver lock held): wait a little for the other live sessions, then
+        run every queued request in one call."""
+        with self._cv:
+            deadline = time.monotonic() + self.gather_s
+            while len(self._queue) < len(self._order) and time.monotonic() < deadline:
+                self._cv.wait(max(0.0, deadline - time.monotonic()))
+            batch, self._queue = self._queue, []
+        if not batch:
+            return
+        try:
+            with self.target.lock:
+                results = self._run(batch)
+        except BaseException as e:
+            with self._cv:
+                for p in batch:
+                    p.error, p.done = e, True
+            raise
+        with self._cv:
+            for p, r in zip(batch, results, strict=True):
+                p.result, p.done = r, True
+            self.rounds += 1
+
+    def _run(self, batch: list[_Pending[R]]) -> list[R]:
+        """The shared call for ``batch`` (every live session has a row); each request's result."""
+        raise NotImplementedError
+
+
+class SessionBatcher(_SessionSlots[RowOutcome]):
+    """Client-loop verifications of concurrent sessions in shared forwards (module docstring).
+
+    Args:
+        target: the pool (one slot per session).
+        vocab_size / max_tree_nodes / max_tree_depth: request limits (the engine's).
+        ttl_s: a session idle this long may lose its slot to a new session.
+        gather_s: the bounded wait for other sessions' requests before a round.
+    """
+
+    def __init__(
+        self,
+        target: BatchedTarget,
+        vocab_size: int,
+        max_tree_nodes: int,
+        max_tree_depth: int,
+        ttl_s: float = 600.0,
+        gather_s: float = GATHER_S,
+    ):
+        super().__init__(target, ttl_s, gather_s)
+        self.vocab_size, self.max_tree_nodes, self.max_tree_depth = vocab_size, max_tree_nodes, max_tree_depth
+
+    def takes(self, req: VerifyRequest) -> bool:
+        """Whether ``req`` is verified here: its session is here, or it starts a session this pool
+        can hold (greedy, no processors, no returned scores, prompt + hint within a slot)."""
+        if self.holds(req.session_id):
+            return True
+        if req.expected_prefix_length != 0 or req.sampling.do_sample or req.processing is not None:
+            return False
+        if req.return_scores or req.return_logits:
+            return False
+        return req.tree.num_nodes <= MAX_NODES and self._fits(req.capacity_hint, len(req.pending_token_ids))
+
     # ------------------------------------------------------------------ rounds
     def verify(self, req: VerifyRequest) -> VerifyResult | None:
         """One round of ``req``'s session, gathered with whatever other sessions ask meanwhile;
@@ -159,16 +244,8 @@ class SessionBatcher:
         if admitted is None:
             return None
         row, depth = admitted
-        pend = _Pending(self._sessions[req.session_id], row, depth)
-        with self._cv:
-            self._queue.append(pend)
-            self._cv.notify_all()
-        while not pend.done:
-            self._driver.turn(lambda: pend.done, self._round)
-        if pend.error is not None:
-            raise pend.error
-        assert pend.result is not None
-        o = pend.result
+        pend = _Pending[RowOutcome](self._sessions[req.session_id], row)
+        o = self._submit(pend)
         n = len(row.tokens)
         stats = WorkerStats(device=str(self.target.device), forwards=1, tokens_processed=1 + n)
         stats.wall_time_s = time.perf_counter() - t0
@@ -183,44 +260,20 @@ class SessionBatcher:
         if req.sampling.do_sample or req.processing is not None or req.return_scores or req.return_logits:
             raise InvalidRequest("this session is verified in batched greedy rounds: sampling, processors "
                                  "and returned scores need a session started that way")  # fmt: skip
-        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in pending):
-            raise InvalidRequest(
-                f"pending_token_ids: a token id is outside the vocabulary [0, {self.vocab_size})"
-            )
+        _check_ids(pending, self.vocab_size, "pending_token_ids")
         tree.validate(self.vocab_size, min(self.max_tree_nodes, MAX_NODES), self.max_tree_depth)
         tokens, parents, depths = tree.token_ids.tolist(), tree.parents.tolist(), tree.depths.tolist()
         with self._driver.lock:  # placement and prefill never run beside a round
-            if req.expected_prefix_length == 0:
-                if req.session_id not in self._sessions and not self._room():
-                    return None
-                s = self._place(req.session_id)
-            else:
-                got = self._sessions.get(req.session_id)
-                if got is None:
-                    raise InvalidRequest(f"session {req.session_id!r} is not verified in batched rounds")
-                s = got
-                if s.length != req.expected_prefix_length:
-                    raise desync_error("target", req.session_id, s.length, req.expected_prefix_length)
-            end = s.length + len(pending) + 1 + MAX_NODES  # what any round of the batch may write
-            if end > self.target.capacity:
-                raise ResourceExhausted(f"session would need {end} positions; a batched slot holds "
-                                        f"{self.target.capacity}")  # fmt: skip
+            s = self._session_for(req.session_id, req.expected_prefix_length, "target", len(pending))
+            if s is None:
+                return None
             if len(pending) > 1:
                 self.target.extend(s.slot, s.length, pending[:-1])
                 s.length += len(pending) - 1
-            s.used = time.monotonic()
         return RowTree(s.length, pending[-1], tokens, parents, depths), max(depths, default=0)
 
-    def _round(self) -> None:
-        """One gathered round (driver lock held): wait a little for the other live sessions, then
-        verify every queued request in one forward."""
-        with self._cv:
-            deadline = time.monotonic() + self.gather_s
-            while len(self._queue) < len(self._order) and time.monotonic() < deadline:
-                self._cv.wait(max(0.0, deadline - time.monotonic()))
-            batch, self._queue = self._queue, []
-        if not batch:
-            return
+    def _run(self, batch: list[_Pending[RowOutcome]]) -> list[RowOutcome]:
+        """Verify every queued tree in one forward; live sessions that did not ask ride along inert."""
         asked = {p.session.slot: p for p in batch}
         rows = [
             asked[s.slot].row if s.slot in asked else RowTree(s.length, 0)  # inert: nothing committed
@@ -229,17 +282,124 @@ class SessionBatcher:
         for p in batch:  # the row's length as the session holds it now (a placement may have run)
             p.row.length = p.session.length
         n = max(len(p.row.tokens) for p in batch)
-        try:
-            with self.target.lock:
-                outcomes = self.target.round(rows, SamplingParams(), n)
-        except BaseException as e:
-            with self._cv:
-                for p in batch:
-                    p.error, p.done = e, True
-            raise
-        with self._cv:
-            for p in batch:
-                o = outcomes[p.session.slot]
-                p.session.length += 1 + len(o.nodes)
-                p.result, p.done = o, True
-            self.rounds += 1
+        outcomes = self.target.round(rows, SamplingParams(), n)
+        results = [outcomes[p.session.slot] for p in batch]
+        for p, o in zip(batch, results, strict=True):
+            p.session.length += 1 + len(o.nodes)
+        return results
+
+
+class DraftBatcher(_SessionSlots[list[int]]):
+    """Client-loop draft requests of concurrent greedy sessions in shared forwards (a draft worker).
+
+    Each session's draft KV lives in a slot of a :class:`~specsplit.engines.batched.BatchedTarget`
+    pool over the draft model. Requests that arrive within a bounded wait of each other are drafted
+    together (:meth:`~specsplit.engines.batched.BatchedTarget.chain`): one forward writes every
+    session's newly committed tokens, then one forward per chain token drafts for all of them; live
+    sessions that did not ask ride along as inert rows. A session's slot holds its committed tokens
+    only (what ``prefix_length`` counts, as the engine's sessions do).
+
+    What it takes: greedy ``chain`` trees of at most :data:`MAX_CHAIN` tokens, without logits
+    processors or speculation; other requests, and sessions that start otherwise or find no free
+    slot, keep the engine's own per-session path.
+
+    Args:
+        target: the pool over the draft model (one slot per session).
+        vocab_size: request limit (the model's vocabulary).
+        ttl_s / gather_s: as :class:`SessionBatcher`'s.
+    """
+
+    reserve = MAX_INGEST + MAX_CHAIN
+
+    def __init__(
+        self, target: BatchedTarget, vocab_size: int, ttl_s: float = 600.0, gather_s: float = GATHER_S
+    ):
+        super().__init__(target, ttl_s, gather_s)
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def _shape_ok(req: DraftRequest) -> bool:
+        return (
+            req.tree.shape == "chain"
+            and req.tree.num_draft_tokens <= MAX_CHAIN
+            and not req.sampling.do_sample
+            and req.processing is None
+            and not req.speculate
+        )
+
+    def takes(self, req: DraftRequest) -> bool:
+        """Whether ``req`` is drafted here: its session is here, or it starts a session this pool
+        can hold (a greedy chain, no processors or speculation, prompt + hint within a slot)."""
+        if self.holds(req.session_id):
+            return True
+        return (
+            req.prefix_length == 0
+            and self._shape_ok(req)
+            and self._fits(req.capacity_hint, len(req.new_token_ids))
+        )
+
+    def draft(self, req: DraftRequest) -> DraftResult | None:
+        """Ingest ``req.new_token_ids`` and draft a chain, gathered with whatever other sessions ask
+        meanwhile; None when a new session found no free slot after all.
+
+        Raises:
+            InvalidRequest: bad ids, no new tokens, a request this pool does not draft for a session
+                it holds (sampling, another tree shape, processors, speculation).
+            CacheDesyncError: ``prefix_length`` disagrees with the session (nothing changed).
+            ResourceExhausted: no slot, or the session would outgrow its slot.
+        """
+        t0 = time.perf_counter()
+        new = req.new_token_ids
+        if not new:
+            raise InvalidRequest(
+                "new_token_ids is empty: a draft round needs the tokens committed since the last"
+            )
+        if not self._shape_ok(req):
+            raise InvalidRequest("this session is drafted in batched greedy chains: other trees, sampling, "
+                                 "processors and speculation need a session started that way")  # fmt: skip
+        _check_ids(new, self.vocab_size, "new_token_ids")
+        k = (
+            req.tree.num_draft_tokens
+            if req.max_depth is None
+            else min(req.tree.num_draft_tokens, req.max_depth)
+        )
+        with self._driver.lock:  # placement and prefill never run beside a call
+            s = self._session_for(req.session_id, req.prefix_length, "draft", len(new))
+            if s is None:
+                return None
+            ingest = new[-MAX_INGEST:]
+            if len(new) > len(ingest):  # a long context (a new session's prompt): written on its own
+                self.target.extend(s.slot, s.length, new[: -len(ingest)])
+                s.length += len(new) - len(ingest)
+        pend = _Pending[list[int]](s, ChainRow(s.length, ingest), max(k, 1))
+        drafted = self._submit(pend)[:k] if k > 0 else []
+        n = len(drafted)
+        tree = TokenTree(
+            torch.tensor(drafted, dtype=torch.long),
+            torch.arange(n, dtype=torch.long) - 1,
+            torch.arange(1, n + 1, dtype=torch.long),
+            torch.zeros(n),  # greedy: one-hot drafts (verification never reads these)
+            max_branch=1 if n else 0,
+            depth_bound=n,
+        )
+        stats = WorkerStats(device=str(self.target.device), forwards=max(k, 1), tokens_processed=len(new) + n)
+        stats.wall_time_s = time.perf_counter() - t0
+        return DraftResult(tree=tree, prefix_length=s.length, stats=stats, cache_hit=req.prefix_length > 0)
+
+    def _run(self, batch: list[_Pending[list[int]]]) -> list[list[int]]:
+        """Every queued session's chain in one call; live sessions that did not ask ride along inert."""
+        asked = {p.session.slot: p for p in batch}
+        for p in batch:  # the row's length as the session holds it now (a placement may have run)
+            p.row.length = p.session.length
+        rows = [asked[s.slot].row if s.slot in asked else ChainRow(s.length, [0]) for s in self._order]
+        k = max(p.depth for p in batch)
+        drafted = self.target.chain(rows, k)
+        results = [drafted[p.session.slot] for p in batch]
+        for p in batch:
+            p.session.length += len(p.row.tokens)
+        return results
+
+
+def _check_ids(ids: list[int], vocab: int, name: str) -> None:
+    if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+        raise InvalidRequest(f"{name}: a token id is outside the vocabulary [0, {vocab})")

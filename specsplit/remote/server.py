@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from specsplit.engines.batched_sessions import SessionBatcher
+from specsplit.engines.batched_sessions import DraftBatcher, SessionBatcher
 from specsplit.errors import (
     CacheDesyncError,
     ConfigError,
@@ -44,7 +44,7 @@ from specsplit.errors import (
     SessionNotFound,
     SpecSplitError,
 )
-from specsplit.messages import GenerateRequest, GenerateUpdate, VerifyRequest
+from specsplit.messages import DraftRequest, GenerateRequest, GenerateUpdate, VerifyRequest
 from specsplit.pipeline import DecodeParams, OverlapPolicies, decode_rounds
 from specsplit.pipeline.batch import BatchRequest, BatchScheduler
 from specsplit.remote import convert
@@ -327,9 +327,16 @@ class _Handler:
         return self.run(context, None, work)
 
     def end_session(
-        self, request: pb.EndSessionRequest, context: grpc.ServicerContext
+        self, request: pb.EndSessionRequest, context: grpc.ServicerContext, pool: Any = None
     ) -> pb.EndSessionResponse:
+        """End a session: in the batched pool ``pool`` (its ``end(key)``) if it holds it, else the engine's."""
         key = self.run(context, None, lambda t0: self.key(request.session_id))
+        if pool is not None:
+            t0 = time.perf_counter()
+            if pool.end(key):
+                return pb.EndSessionResponse(
+                    existed=True, telemetry=pb.Telemetry(server_time_s=time.perf_counter() - t0)
+                )
 
         def work(t0: float) -> pb.EndSessionResponse:
             existed = bool(self.engine.end_session(key))
@@ -353,12 +360,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         max_streams: int = 4,
         admission: Admission | None = None,
         tree_slots: bool = True,
+        sessions: DraftBatcher | None = None,
     ):
         self._h = _Handler(engine, "draft", limits or ServerLimits(), max_streams, admission)
         cfg = getattr(engine, "config", None)
         self._slots = TreeSlotExporter(
             getattr(engine, "device", torch.device("cpu")), getattr(cfg, "max_tree_nodes", 64), tree_slots
         )
+        self.sessions = sessions  # concurrent greedy client-loop sessions' chains drafted together here
+        if sessions is not None:
+            self._h.also_holds = sessions.holds
 
     def _check_limits(self, m: pb.DraftRequest) -> None:
         lim = self._h.limits
@@ -372,14 +383,26 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def GenerateDrafts(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftResponse:
         key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
 
-        def work(t0: float) -> pb.DraftResponse:
+        def convert_request(t0: float) -> DraftRequest:
             self._check_limits(request)
             req = convert.draft_request_from_proto(request)
             req.session_id = key
             req.capacity_hint = self._h.clamp_capacity(req.capacity_hint)
+            return req
+
+        req = self._h.run(context, None, convert_request)
+        # Sessions drafted in the shared chains take no compute turn: their call is everyone's.
+        batched = self.sessions is not None and self.sessions.takes(req)
+
+        def work(t0: float) -> pb.DraftResponse:
             self._h.admit_session(key, req.prefix_length == 0)
-            res = self._h.engine.generate(req)
-            if isinstance(req, SlotDraftRequest) and not req.speculate:
+            res = self.sessions.draft(req) if batched and self.sessions is not None else None
+            if res is None and batched:  # the batched slots filled up meanwhile: the session's own path
+                with self._h.compute():
+                    res = self._h.engine.generate(req)
+            elif res is None:
+                res = self._h.engine.generate(req)
+            if isinstance(req, SlotDraftRequest) and not req.speculate and not batched:
                 ref = self._slots.place(req.tree_channel, req.tree_slot, res.tree)
                 if ref is not None:
                     res = SlotDraftResult(**vars(res), tree_in_slot=ref)
@@ -387,7 +410,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             resp.telemetry.server_time_s = time.perf_counter() - t0
             return resp
 
-        return self._h.run(context, key, work, compute=True)
+        return self._h.run(context, key, work, compute=not batched)
 
     def ShareTreeSlots(
         self, request: pb.ShareTreeSlotsRequest, context: grpc.ServicerContext
@@ -402,7 +425,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
     ) -> pb.EndSessionResponse:
-        return self._h.end_session(request, context)
+        return self._h.end_session(request, context, self.sessions)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return self._h.ping(context)
@@ -579,14 +602,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def EndSession(
         self, request: pb.EndSessionRequest, context: grpc.ServicerContext
     ) -> pb.EndSessionResponse:
-        if self.sessions is not None:
-            key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
-            t0 = time.perf_counter()
-            if self.sessions.end(key):
-                return pb.EndSessionResponse(
-                    existed=True, telemetry=pb.Telemetry(server_time_s=time.perf_counter() - t0)
-                )
-        return self._h.end_session(request, context)
+        return self._h.end_session(request, context, self.sessions)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return self._h.ping(context)

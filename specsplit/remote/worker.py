@@ -21,7 +21,7 @@ import torch
 
 from specsplit.config import BATCH_LIMIT, NgramConfig
 from specsplit.engines.batched import BatchedTarget, batch_bucket
-from specsplit.engines.batched_sessions import SessionBatcher
+from specsplit.engines.batched_sessions import DraftBatcher, SessionBatcher
 from specsplit.errors import ConfigError, TransportError
 from specsplit.pipeline.batch import BatchScheduler
 from specsplit.remote._generated import spec_decoding_pb2_grpc as pb_grpc
@@ -66,7 +66,8 @@ class WorkerServer:
         self.worker_type = worker_type
         self.admission = admission
         self.batch: BatchScheduler | None = None  # a target worker's shared batched rounds, if on
-        self.sessions: SessionBatcher | None = None  # ... and its client-loop sessions' shared forwards
+        # ... and its client-loop sessions' shared forwards (a draft worker's: their shared chain drafts)
+        self.sessions: SessionBatcher | DraftBatcher | None = None
         self._health = health
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -213,6 +214,8 @@ def serve_draft(
     limits: ServerLimits | None = None,
     admission: AdmissionLimits | None = None,
     tree_slots: bool = True,
+    max_batch: int = 0,
+    batch_capacity: int = 4096,
 ) -> WorkerServer:
     """Serve a :class:`~specsplit.engines.draft.DraftEngine` (loaded) over gRPC and return at once.
 
@@ -229,6 +232,11 @@ def serve_draft(
         limits: request and memory limits (defaults: :class:`~specsplit.remote.server.ServerLimits`).
         admission: bounds on calls, queues and compute (see :mod:`specsplit.remote.admission`).
         tree_slots: grant co-located target workers tree slots (:mod:`specsplit.remote.tree_slots`).
+        max_batch: concurrent greedy sessions asking for chain drafts are drafted together, up to
+            this many a forward (:class:`~specsplit.engines.batched_sessions.DraftBatcher`); ``0``:
+            each call drafts on its own.
+        batch_capacity: positions (prompt + new tokens) a batched session may need; the pool holds
+            ``max_batch`` of them. Longer sessions draft on their own.
 
     Returns:
         The running :class:`WorkerServer`.
@@ -236,10 +244,16 @@ def serve_draft(
     limits = limits or ServerLimits()
     tokens = _tokens(auth_token)
     adm = _admission(max_workers, admission, tokens, engine)
-    servicer = DraftServicer(engine, limits, max_streams(adm.limits.max_calls), adm, tree_slots)
+    sessions = None
+    if max_batch >= 2:
+        graphs = _graphs(engine)
+        pool = _pool(engine, max_batch, batch_capacity, graphs)
+        sessions = DraftBatcher(pool, engine.runner.vocab_size, engine.config.session_ttl_s)
+    servicer = DraftServicer(engine, limits, max_streams(adm.limits.max_calls), adm, tree_slots, sessions)
     _limit_engine(engine, servicer._h, limits, tokens)
     server = _serve("draft", servicer, pb_grpc.add_DraftServiceServicer_to_server, engine, port, host, adm, tls,
                     tokens, limits)  # fmt: skip
+    server.sessions = sessions
     sync = getattr(engine, "synchronize", None)
     if sync is not None and getattr(engine, "device", torch.device("cpu")).type == "cuda":
         # A reply may leave before its tree's GPU work ends (tree slots): let that work finish, so a
@@ -311,11 +325,7 @@ def serve_target(
                               tls_ca_file=draft_tls_ca_file, streams=draft_streams)  # fmt: skip
         if check_draft:
             _check_draft(draft, draft_address)
-    cfg = getattr(engine, "config", None)
-    graphs = (
-        bool(getattr(cfg, "cuda_graphs", False))
-        and getattr(getattr(engine, "device", None), "type", "") == "cuda"
-    )
+    graphs = _graphs(engine)
     drafting = WorkerDrafting(drafter, ngram, padded=graphs)
     batch = _batch_scheduler(engine, max_batch, batch_capacity, graphs, adm.limits.max_calls)
     sessions = _session_batcher(engine, max_batch, batch_capacity, graphs)
@@ -346,6 +356,15 @@ def _batch_scheduler(
                 pool.cache.memory_bytes() / 1e9)  # fmt: skip
     # Rows past the open calls cannot wait: each waiting row is a call holding a request thread.
     return BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
+
+
+def _graphs(engine: Any) -> bool:
+    """Whether the engine replays CUDA graphs (configured so, on a CUDA device)."""
+    cfg = getattr(engine, "config", None)
+    return (
+        bool(getattr(cfg, "cuda_graphs", False))
+        and getattr(getattr(engine, "device", None), "type", "") == "cuda"
+    )
 
 
 def _pool(engine: Any, max_batch: int, capacity: int, graphs: bool) -> BatchedTarget:
