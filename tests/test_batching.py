@@ -475,3 +475,31 @@ def test_draft_batcher_drafts_each_sessions_greedy_chain_and_checks_requests(lla
     # b moved into slot 0 and continues its text
     b3 = db.draft(DraftRequest("b", truth_b[5:8], len(PROMPTS[2]) + 5, chain4))
     assert b3.tree.token_ids.tolist() == truth_b[8:10] + _alone(llama_target, PROMPTS[2], 12)[10:12]
+
+
+def test_background_rounds_stream_in_chunks_and_close_ends_what_is_left(llama_target):
+    """With its own driving thread (a worker's setting) the scheduler runs rounds while callers only
+    wait; ``follow_chunks`` hands each caller the rounds committed since its last chunk (at most one
+    chunk per interval), the tokens exact; ``close`` stops the thread and ends rows still waiting."""
+    import time
+
+    from specsplit.errors import ResourceExhausted
+    from specsplit.pipeline.batch import BatchScheduler
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    sched = BatchScheduler(BatchedTarget(runner, slots=2, capacity=128), 2, gather_s=0.0)
+    sched.drive_in_background()
+    tickets = [sched.submit(BatchRequest(p, DecodeParams(max_new_tokens=30))) for p in PROMPTS[:2]]
+    t0 = time.perf_counter()
+    chunks = list(sched.follow_chunks(tickets[0], every_s=0.05))
+    took = time.perf_counter() - t0
+    rounds = [r for c in chunks for r in c]
+    assert [t for toks, _ in rounds for t in toks] == _alone(llama_target, PROMPTS[0], 30)
+    # at most one chunk per interval (the first one and the last one come at once)
+    assert len(chunks) <= 2 + took / 0.05 and len(chunks) < len(rounds)
+    assert sched.wait(tickets[1])[0] == _alone(llama_target, PROMPTS[1], 30)
+    # Two rows fill the pool; a third waits when the scheduler closes and ends with an error.
+    held = [sched.submit(BatchRequest(p, DecodeParams(max_new_tokens=100))) for p in PROMPTS[2:5]]
+    sched.close()
+    assert all(t.done for t in held)
+    assert any(isinstance(t.error, ResourceExhausted) for t in held)

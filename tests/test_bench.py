@@ -815,3 +815,40 @@ def test_command_line_spells_the_shared_flag_names() -> None:
     assert "graph-rounds" not in _command_line(build_parser().parse_args(["bench"]), "cpu")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--no-target-graph-rounds"])  # renamed: --no-graph-rounds
+
+
+def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
+    """``--batch-size`` and ``--concurrent-clients`` on the tiny models: every decoder at every size,
+    rows checked against batch 1, clients of batching workers (a draft worker too for the client
+    loop), JSON + table written."""
+    out = tmp_path / "r"
+    base = [
+        "bench",
+        "--suite",
+        "smoke",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main([*base, "--batch-size", "1,2"]) == 0
+    batch = json.loads(next(out.glob("batch-*.json")).read_text())
+    assert batch["config"]["mode"] == "batch"
+    got = {(c["decoder"], c["batch"]) for c in batch["cells"]}
+    assert got == {(d, b) for d in ("hf-batch", "specsplit-plain", "specsplit-ngram") for b in (1, 2)}
+    assert all(c["tok_s"] > 0 for c in batch["cells"])
+    clients = ["--concurrent-clients", "1,3", "--grpc-workers", "thread",
+               "--decoders", "grpc-plain,grpc-ngram,grpc-model-clientloop"]  # fmt: skip
+    assert main([*base, *clients]) == 0
+    res = json.loads(next(out.glob("clients-*.json")).read_text())
+    assert res["config"]["mode"] == "concurrent-clients"
+    cells = {(c["decoder"], c["batch"]): c for c in res["cells"]}
+    assert set(cells) == {
+        (d, n) for d in ("grpc-plain", "grpc-ngram", "grpc-model-clientloop") for n in (1, 3)
+    }
+    assert all(c["tokens"] > 0 and c["client_tok_s_min"] > 0 for c in cells.values())
+    assert next(out.glob("clients-*.md")).read_text().count("grpc-model-clientloop") >= 2

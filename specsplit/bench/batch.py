@@ -58,6 +58,7 @@ class BatchBenchOptions:
     compile: bool = False
     threads: int | None = None
     clients: tuple[int, ...] = ()  # --concurrent-clients: client counts (instead of batch sizes)
+    workers: str = "thread"  # --concurrent-clients: workers as "process"es (`specsplit serve`) or "thread"s
     prompts_dir: Path | None = None
     out: Path = Path("benchmarks/results")
     tag: str = ""
@@ -221,37 +222,29 @@ def _client_cells(
     m: BenchModels, prompts: list[BenchPrompt], opts: BatchBenchOptions
 ) -> list[dict[str, Any]]:
     """``N`` clients at once, each with its own generator over gRPC (one thread each) against ONE
-    target worker in this process that batches concurrent calls (``max_batch`` = the largest N):
-    ``grpc-plain`` / ``grpc-ngram`` make one ``Generate`` call (``grpc_loop="target"``);
-    ``grpc-model-clientloop`` runs the rounds itself, drafting on a draft worker in this process
-    (greedy sessions' chain drafts batched on the draft worker, their verifications on the target
-    worker)."""
-    from specsplit import DraftEngine, SpecSplitConfig, SpecSplitGenerator, TargetEngine
-    from specsplit.config import DraftConfig, Drafter, TargetConfig
-    from specsplit.remote import serve_draft, serve_target
-    from specsplit.remote.admission import AdmissionLimits
+    target worker that batches concurrent calls (``max_batch`` = the largest N; a ``specsplit
+    serve`` process, or a server in this process with ``workers="thread"``): ``grpc-plain`` /
+    ``grpc-ngram`` make one ``Generate`` call (``grpc_loop="target"``); ``grpc-model-clientloop``
+    runs the rounds itself, drafting on a draft worker (greedy sessions' chain drafts batched on
+    the draft worker, their verifications on the target worker)."""
+    from specsplit import SpecSplitConfig, SpecSplitGenerator
+    from specsplit.config import Drafter
 
     most = max(opts.clients)
     need = max(len(p.input_ids) for p in prompts) + opts.max_new_tokens + 64
-    engine = TargetEngine(m.target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile))
-    limits = AdmissionLimits(max_calls=most + 4, max_queued=most + 4)
-    srv = serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
-                       batch_capacity=-(-need // 256) * 256)  # fmt: skip
-    d_srv = None
-    if m.draft is not None:
-        d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
-        d_srv = serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
-                            batch_capacity=-(-need // 256) * 256)  # fmt: skip
+    capacity = -(-need // 256) * 256
+    workers = _ClientWorkers(m, opts, most, capacity)
+    target_address, draft_address = workers.addresses
     cells: list[dict[str, Any]] = []
     try:
         for name in [d for d in opts.decoders if d in (*CLIENT_DECODERS, CLIENT_LOOP_DECODER)]:
             drafter: Drafter = "ngram" if name == "grpc-ngram" else "model"
             if name == CLIENT_LOOP_DECODER:
-                assert d_srv is not None
-                cfg = SpecSplitConfig(transport="grpc", draft_address=d_srv.address, target_address=srv.address,
+                assert draft_address is not None
+                cfg = SpecSplitConfig(transport="grpc", draft_address=draft_address, target_address=target_address,
                                       timeout_s=600.0)  # fmt: skip
             else:
-                cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=srv.address,
+                cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=target_address,
                                       drafter=drafter, timeout_s=600.0)  # fmt: skip
             for n in sorted(set(opts.clients)):
                 rows = interleaved(prompts, n)
@@ -276,15 +269,75 @@ def _client_cells(
                     "client_tok_s_min": speeds[0] if speeds else 0.0,
                     "client_tok_s_max": speeds[-1] if speeds else 0.0,
                     "rows_checked": 0, "rows_identical": 0,
-                    "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                    "peak_gpu_bytes": workers.peak_gpu_bytes(),
                 })  # fmt: skip
                 logger.info("%d clients: %s %.1f tok/s (client min %.1f, max %.1f)", n, name,
                             cells[-1]["tok_s"], cells[-1]["client_tok_s_min"], cells[-1]["client_tok_s_max"])  # fmt: skip
     finally:
-        srv.stop(grace=1.0)
-        if d_srv is not None:
-            d_srv.stop(grace=1.0)
+        workers.close()
     return cells
+
+
+class _ClientWorkers:
+    """The batching target worker (and the draft worker, when the client loop runs) that the
+    concurrent clients call: ``specsplit serve`` processes, or servers inside this process (which
+    then share its GIL with every client thread)."""
+
+    def __init__(self, m: BenchModels, opts: BatchBenchOptions, most: int, capacity: int):
+        from specsplit import DraftEngine, TargetEngine
+        from specsplit.config import DraftConfig, TargetConfig
+        from specsplit.remote import serve_draft, serve_target
+        from specsplit.remote.admission import AdmissionLimits
+        from specsplit.remote.launch import WorkerProcess
+
+        self.processes: list[Any] = []
+        self.servers: list[Any] = []
+        if opts.workers == "process" and not opts.tiny:
+            flags = ["--cuda-graphs"] if opts.cuda_graphs else []
+            flags += ["--compile"] if opts.compile else []
+            flags += [
+                "--max-batch",
+                str(most),
+                "--batch-capacity",
+                str(capacity),
+                "--max-workers",
+                str(most + 4),
+            ]
+            roles = [("target", m.target_name)] + ([("draft", m.draft_name)] if m.draft is not None else [])
+            try:
+                for role, name in roles:
+                    self.processes.append(
+                        WorkerProcess(role, name, device=m.device, dtype=m.dtype, args=flags).start()
+                    )
+            except BaseException:
+                self.close()
+                raise
+            self.addresses = (
+                self.processes[0].address,
+                self.processes[1].address if m.draft is not None else None,
+            )
+            return
+        limits = AdmissionLimits(max_calls=most + 4, max_queued=most + 4)
+        engine = TargetEngine(m.target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile))
+        self.servers.append(serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
+                                         batch_capacity=capacity))  # fmt: skip
+        if m.draft is not None:
+            d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
+            self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
+                                            batch_capacity=capacity))  # fmt: skip
+        self.addresses = (self.servers[0].address, self.servers[1].address if m.draft is not None else None)
+
+    def peak_gpu_bytes(self) -> int | None:
+        """This process's peak GPU memory (None with worker processes: theirs is their own)."""
+        if self.processes or not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.max_memory_allocated())
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.stop(grace=1.0)
+        for w in self.processes:
+            w.stop()
 
 
 def _clients_once(

@@ -342,6 +342,7 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
         opts = BatchBenchOptions(
             batch_sizes=sizes,
             clients=clients,
+            workers=args.grpc_workers,
             device=device,
             target=args.target,
             dtype=args.dtype or "auto",

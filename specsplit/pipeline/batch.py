@@ -22,6 +22,7 @@ the others), so every round has the same shape: one pending token and a tree per
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Generator
@@ -117,6 +118,50 @@ class BatchScheduler:
         self._driver = RoundDriver()
         self._cv = self._driver.cv
         self.rounds = 0
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    def drive_in_background(self) -> None:
+        """Run the rounds on a thread of the scheduler's own from now on; callers only wait for
+        their rows. A worker streaming each round to its clients wants this: a caller that drove
+        a round would send its own update before the next round could start, putting a network
+        send (and the wake-up of every other stream) between consecutive rounds."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._drive_loop, name="specsplit-batch-rounds", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread (if any); rows still live or waiting end with an error."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+            self._thread = None
+        closed = ResourceExhausted("the batch scheduler was closed")
+        with self._cv:
+            while self._waiting:
+                t = self._waiting.popleft()
+                t.error = closed
+                self._finish_ticket(t)
+            if self._live:
+                self._fail_all(closed)
+
+    def _drive_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._live or self._waiting) or self._closing)
+                if self._closing:
+                    return
+            with self._driver.lock:
+                try:
+                    self._guarded_step()
+                except Exception:  # every row it held ended with the error; later rows still run
+                    logger.exception("a batched round failed")
+            with self._cv:
+                self._cv.notify_all()
 
     # ------------------------------------------------------------------ callers
     def submit(self, request: BatchRequest, ngram: NgramDrafter | None = None) -> Ticket:
@@ -143,15 +188,34 @@ class BatchScheduler:
     def follow(self, ticket: Ticket) -> Generator[tuple[list[int], RoundStats], None, None]:
         """Yield the ticket's rounds (committed tokens, telemetry) as they come, driving rounds when
         no other caller is; raises what failed the row. Closing the iterator early cancels the row."""
+        for chunk in self.follow_chunks(ticket):
+            yield from chunk
+
+    def follow_chunks(
+        self, ticket: Ticket, every_s: float = 0.0
+    ) -> Generator[list[tuple[list[int], RoundStats]], None, None]:
+        """:meth:`follow`, the rounds committed since the last chunk together; with ``every_s`` at
+        most one chunk per ``every_s`` seconds (the last one as soon as the row ends). A worker
+        streams a chunk per message: under load that is one message per client per interval,
+        not one per round."""
         try:
+            last = 0.0
             while True:
+                if every_s > 0 and not ticket.done:
+                    left = last + every_s - time.perf_counter()
+                    if left > 0:
+                        with self._cv:
+                            self._cv.wait_for(lambda: ticket.done, left)
                 with self._cv:
                     items, done = list(ticket.rounds), ticket.done
                     ticket.rounds.clear()
-                yield from items
+                if items:
+                    last = time.perf_counter()
+                    yield items
                 if done:
                     break
-                self._drive_or_wait(ticket)
+                if not items:
+                    self._drive_or_wait(ticket)
             if ticket.error is not None:
                 raise ticket.error
         finally:
@@ -192,7 +256,12 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ driving
     def _drive_or_wait(self, ticket: Ticket) -> None:
-        self._driver.turn(lambda: ticket.done or bool(ticket.rounds), self._guarded_step)
+        ready = lambda: ticket.done or bool(ticket.rounds)  # noqa: E731
+        if self._thread is None:
+            self._driver.turn(ready, self._guarded_step)
+        else:
+            with self._cv:
+                self._cv.wait_for(ready, 0.05)
 
     def _guarded_step(self) -> None:
         try:
@@ -359,7 +428,7 @@ class BatchScheduler:
         self._cv.notify_all()
 
     def _fail_all(self, error: BaseException) -> None:
-        """A round failed: every live and waiting row ends with the error (the pool's rows are lost)."""
+        """A round failed: every live row ends with the error (the pool's rows are lost)."""
         with self._cv:
             for r in self._live:
                 r.ticket.error = error

@@ -340,6 +340,9 @@ def serve_target(
         servicer.loop.close()
         raise
     server.on_stop.append(servicer.loop.close)
+    if batch is not None:  # the rounds run on their own thread: the streams only send
+        batch.drive_in_background()
+        server.on_stop.append(batch.close)
     server.batch = batch
     server.sessions = sessions
     return server
