@@ -387,7 +387,7 @@ def test_session_batcher_keeps_room_for_any_round_and_checks_requests(llama_targ
 
 
 def test_compiled_rounds_trace_whole_and_commit_what_eager_rounds_commit(llama_target, monkeypatch):
-    """``compile=True`` sends every round's forward (not the prompts') through ``torch.compile``;
+    """``compile=True`` sends the one-token rounds (not trees, not prompts) through ``torch.compile``;
     traced with no graph break by the ``aot_eager`` backend (no C++ build on CPU), the rounds of
     a batch whose size shrinks as rows end commit exactly what the eager rounds commit."""
     import functools
@@ -397,9 +397,17 @@ def test_compiled_rounds_trace_whole_and_commit_what_eager_rounds_commit(llama_t
     compiled = []
     real_compile = torch.compile
 
+    calls = []
+
     def fake_compile(fn, **kw):
         compiled.append(fn)
-        return functools.partial(real_compile, backend="aot_eager", fullgraph=True)(fn, **kw)
+        traced = functools.partial(real_compile, backend="aot_eager", fullgraph=True)(fn, **kw)
+
+        def counted(*a):
+            calls.append(a[0].shape)
+            return traced(*a)
+
+        return counted
 
     torch._dynamo.reset()
     monkeypatch.setattr(batched.torch, "compile", fake_compile)
@@ -412,6 +420,7 @@ def test_compiled_rounds_trace_whole_and_commit_what_eager_rounds_commit(llama_t
             outs.append(gen.generate(ids, attention_mask=mask, max_new_tokens=20))
             assert gen._batched is not None
     assert [fn.__name__ for fn in compiled] == ["_round_forward"]
+    assert calls and all(shape[1] == 1 for shape in calls)  # one-token rounds only
     assert torch.equal(outs[0], outs[1])
     torch._dynamo.reset()
 

@@ -295,19 +295,15 @@ class _ClientWorkers:
         if opts.workers == "process" and not opts.tiny:
             flags = ["--cuda-graphs"] if opts.cuda_graphs else []
             flags += ["--compile"] if opts.compile else []
-            flags += [
-                "--max-batch",
-                str(most),
-                "--batch-capacity",
-                str(capacity),
-                "--max-workers",
-                str(most + 4),
-            ]
-            roles = [("target", m.target_name)] + ([("draft", m.draft_name)] if m.draft is not None else [])
+            flags += ["--max-workers", str(most + 4)]
+            batch = ["--max-batch", str(most), "--batch-capacity", str(capacity)]
+            roles = [("target", m.target_name, batch)]
+            if m.draft is not None:  # a draft worker batches on CPU devices only (serve_draft)
+                roles.append(("draft", m.draft_name, batch if m.device == "cpu" else []))
             try:
-                for role, name in roles:
+                for role, name, extra in roles:
                     self.processes.append(
-                        WorkerProcess(role, name, device=m.device, dtype=m.dtype, args=flags).start()
+                        WorkerProcess(role, name, device=m.device, dtype=m.dtype, args=flags + extra).start()
                     )
             except BaseException:
                 self.close()
@@ -323,7 +319,8 @@ class _ClientWorkers:
                                          batch_capacity=capacity))  # fmt: skip
         if m.draft is not None:
             d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
-            self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
+            d_batch = most if d_engine.device.type == "cpu" else 0  # batching drafts: CPU only (serve_draft)
+            self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=d_batch,
                                             batch_capacity=capacity))  # fmt: skip
         self.addresses = (self.servers[0].address, self.servers[1].address if m.draft is not None else None)
 

@@ -151,10 +151,10 @@ class BatchedTarget:
         slots: sequences held at once (the largest batch).
         capacity: tokens per sequence (prompt + new tokens + the largest tree).
         use_graphs: capture CUDA graphs (CUDA only).
-        compile: fuse the rounds' forwards with ``torch.compile`` before capture (prompt forwards
-            stay eager). The first round of a new shape compiles; after the second shape the
-            compiled forward takes any batch, tree and KV size (dynamic shapes), so later shapes
-            only capture.
+        compile: fuse the one-token forwards (plain rounds, chain-draft levels) with
+            ``torch.compile`` before capture; tree rounds and prompt forwards are not compiled.
+            The first round compiles; after the second shape the compiled forward takes any batch
+            and KV size (dynamic shapes), so later shapes only capture.
     """
 
     def __init__(
@@ -374,7 +374,9 @@ class BatchedTarget:
         self.cache.bind(wpos, mask.shape[-1], 0)
         try:
             self.runner.forward_count += 1
-            step = self._step or self._round_forward
+            # Only one-token rounds are compiled: every tree size is a shape the attention's
+            # branches specialise on, and compiling each took minutes on a GPU host.
+            step = self._step if self._step is not None and ids.shape[1] == 1 else self._round_forward
             out: torch.Tensor = step(ids, pos, mask)
             return out
         finally:
