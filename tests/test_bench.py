@@ -851,4 +851,7 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
         (d, n) for d in ("grpc-plain", "grpc-ngram", "grpc-model-clientloop") for n in (1, 3)
     }
     assert all(c["tokens"] > 0 and c["client_tok_s_min"] > 0 for c in cells.values())
+    # each client against its own prompt decoded alone
+    assert all(0 < c["client_vs_alone_min"] <= c["client_vs_alone_p50"] <= c["client_vs_alone_max"]
+               for c in cells.values())  # fmt: skip
     assert next(out.glob("clients-*.md")).read_text().count("grpc-model-clientloop") >= 2

@@ -246,6 +246,8 @@ def _client_cells(
             else:
                 cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=target_address,
                                       drafter=drafter, timeout_s=600.0)  # fmt: skip
+            alone = _alone_speeds(SpecSplitGenerator(tokenizer=m.tokenizer, config=copy.deepcopy(cfg)),
+                                  interleaved(prompts, most), m, opts.max_new_tokens)  # fmt: skip
             for n in sorted(set(opts.clients)):
                 rows = interleaved(prompts, n)
                 gens = [
@@ -260,6 +262,9 @@ def _client_cells(
                         g.close()
                 tokens = sum(t for t, _ in per)
                 speeds = sorted(t / s for t, s in per if s > 0)
+                # each client against its own prompt decoded alone (answers differ in length)
+                vs_alone = sorted((t / s) / alone[r.id] for (t, s), r in zip(per, rows, strict=True)
+                                  if s > 0 and alone.get(r.id))  # fmt: skip
                 tpt = sorted(1e3 * s / max(t, 1) for t, s in per)
                 cells.append({
                     "decoder": name, "batch": n, "wall_s": wall, "walls_s": [wall], "tokens": tokens,
@@ -268,6 +273,9 @@ def _client_cells(
                     "row_ms_per_token_p95": tpt[min(len(tpt) - 1, int(round(0.95 * (len(tpt) - 1))))],
                     "client_tok_s_min": speeds[0] if speeds else 0.0,
                     "client_tok_s_max": speeds[-1] if speeds else 0.0,
+                    "client_vs_alone_min": vs_alone[0] if vs_alone else None,
+                    "client_vs_alone_p50": vs_alone[len(vs_alone) // 2] if vs_alone else None,
+                    "client_vs_alone_max": vs_alone[-1] if vs_alone else None,
                     "rows_checked": 0, "rows_identical": 0,
                     "peak_gpu_bytes": workers.peak_gpu_bytes(),
                 })  # fmt: skip
@@ -276,6 +284,20 @@ def _client_cells(
     finally:
         workers.close()
     return cells
+
+
+def _alone_speeds(gen: Any, rows: list[BenchPrompt], m: BenchModels, max_new: int) -> dict[str, float]:
+    """Each distinct prompt of ``rows`` decoded by ``gen`` alone (after one warm-up call): its tok/s."""
+    try:
+        _clients_once([gen], rows[:1], m, max_new)
+        speeds: dict[str, float] = {}
+        for r in rows:
+            if r.id not in speeds:
+                _, [(t, sec)] = _clients_once([gen], [r], m, max_new)
+                speeds[r.id] = t / sec if sec > 0 else 0.0
+        return speeds
+    finally:
+        gen.close()
 
 
 class _ClientWorkers:
@@ -454,20 +476,17 @@ def batch_markdown(result: dict[str, Any]) -> str:
 
 
 def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
-    by = {(c["decoder"], c["batch"]): c for c in result["cells"]}
     lines = head + [
-        "| clients | decoder | tok/s (all clients) | x 1 client | slowest client / 1 client | fastest / slowest "
-        "client | client ms/token p50 / p95 | peak GPU memory |",
+        "| clients | decoder | tok/s (all clients) | x 1 client | slowest client / its prompt alone (p50) | "
+        "fastest / slowest client (each / its prompt alone) | client ms/token p50 / p95 | peak GPU memory |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
-        one = by.get((c["decoder"], 1))
-        single = one["tok_s"] if one else None
-        slow, fast = c.get("client_tok_s_min") or 0.0, c.get("client_tok_s_max") or 0.0
+        lo, mid, hi = c.get("client_vs_alone_min"), c.get("client_vs_alone_p50"), c.get("client_vs_alone_max")
         mem = c.get("peak_gpu_bytes")
         lines.append(
             f"| {c['batch']} | {c['decoder']} | {c['tok_s']:.1f} | {_fmt(c['x_batch1'], '.2f')} | "
-            f"{_fmt(slow / single if single else None, '.2f')} | {_fmt(fast / slow if slow else None, '.2f')} | "
+            f"{_fmt(lo, '.2f')} ({_fmt(mid, '.2f')}) | {_fmt(hi / lo if lo and hi else None, '.2f')} | "
             f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
             f"{'-' if mem is None else format(mem / 2**30, '.1f') + ' GiB'} |"
         )
