@@ -170,7 +170,7 @@ class BatchedTarget:
         self.slots, self.capacity = slots, capacity
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._rounds: dict[tuple[int, int, int, bool], _Round] = {}
-        self._chains: dict[tuple[str, int, int, int, int], _Chain] = {}
+        self._chains: dict[tuple[int, int, int, int], _Chain] = {}
         self._ar = torch.arange(capacity, device=self.device)
         self._neg = torch.finfo(runner.dtype).min
         self._pool: Any = None
@@ -292,14 +292,10 @@ class BatchedTarget:
         if rnd is None:
             q, dev = 1 + n, self.device
             width = _width(q, n)
-            host = (
-                empty_pinned(bp * width, torch.long)
-                if dev.type == "cuda"
-                else torch.empty(bp * width, dtype=torch.long)
-            )
+            stage, host = self._staging(bp, width)
             rnd = self._rounds[key] = _Round(
-                stage=torch.zeros(bp, width, dtype=torch.long, device=dev),
-                host=host.view(bp, width),
+                stage=stage,
+                host=host,
                 mask=torch.zeros(bp, 1, q, kv, dtype=self.runner.dtype, device=dev),
                 ids=torch.zeros(bp, q, dtype=torch.long, device=dev),
                 pos=torch.zeros(bp, q, dtype=torch.long, device=dev),
@@ -523,8 +519,17 @@ class BatchedTarget:
             out = self._chain_body(ch, k)
         return read_outcome(out[:b])
 
+    def _staging(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A `[rows, width]` int64 device buffer and its host twin (pinned on CUDA) for one copy."""
+        host = (
+            empty_pinned(rows * width, torch.long)
+            if self.device.type == "cuda"
+            else torch.empty(rows * width, dtype=torch.long)
+        )
+        return torch.zeros(rows, width, dtype=torch.long, device=self.device), host.view(rows, width)
+
     def _chain_buffers(self, bp: int, width: int, k: int, kv: int) -> _Chain:
-        key = ("chain", bp, width, k, kv)
+        key = (bp, width, k, kv)
         ch = self._chains.get(key)
         if ch is None:
             dev, dt = self.device, self.runner.dtype
@@ -533,12 +538,10 @@ class BatchedTarget:
                 z = [torch.zeros(bp, q, dtype=torch.long, device=dev) for _ in range(3)]
                 return z[0], z[1], z[2], torch.zeros(bp, 1, q, kv, dtype=dt, device=dev)
 
-            host = torch.empty(bp * (2 + width), dtype=torch.long)
-            if dev.type == "cuda":
-                host = empty_pinned(bp * (2 + width), torch.long)
+            stage, host = self._staging(bp, 2 + width)
             ch = self._chains[key] = _Chain(
-                stage=torch.zeros(bp, 2 + width, dtype=torch.long, device=dev),
-                host=host.view(bp, 2 + width),
+                stage=stage,
+                host=host,
                 ingest=inputs(width),
                 level=inputs(1),
             )

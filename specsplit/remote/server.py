@@ -327,7 +327,10 @@ class _Handler:
         return self.run(context, None, work)
 
     def end_session(
-        self, request: pb.EndSessionRequest, context: grpc.ServicerContext, pool: Any = None
+        self,
+        request: pb.EndSessionRequest,
+        context: grpc.ServicerContext,
+        pool: SessionBatcher | DraftBatcher | None = None,
     ) -> pb.EndSessionResponse:
         """End a session: in the batched pool ``pool`` (its ``end(key)``) if it holds it, else the engine's."""
         key = self.run(context, None, lambda t0: self.key(request.session_id))
