@@ -5,7 +5,8 @@
 A batch of B sequences makes every projection of a decode step a `[B, hidden] x [hidden, out]` matmul.
 On a GPU that is weight-read bound up to large B; on a CPU the BLAS kernel for a few rows can cost
 much more than one row's (see benchmarks/RESULTS.md, "Batched generation"), which bounds what
-batching gains there. Prints milliseconds per matmul for each row count, median of the repeats.
+batching gains there. Prints milliseconds per matmul for each row count, median of the repeats, for
+the plain weight and for the same weight packed once (specsplit.runtime.packed, where available).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import statistics
 import time
 
 import torch
+
+from specsplit.runtime import packed
 
 
 def main() -> None:
@@ -28,18 +31,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hidden, out = (int(x) for x in args.shape.split(","))
-    w = torch.randn(out, hidden)
+    lin = torch.nn.Linear(hidden, out, bias=False)
+    layers = {"plain": lin}
+    if packed.available():
+        layers["packed"] = packed.PackedLinear(lin)
     print(f"float32 [rows, {hidden}] x [{hidden}, {out}], {args.threads} threads")
-    for m in (int(x) for x in args.rows.split(",")):
-        x = torch.randn(m, hidden)
-        torch.nn.functional.linear(x, w)
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - t0)
-        ms = 1e3 * statistics.median(times)
-        print(f"rows {m:3d}: {ms:6.2f} ms   ({ms / m:5.2f} ms a row)")
+    with torch.inference_mode():
+        for m in (int(x) for x in args.rows.split(",")):
+            x = torch.randn(m, hidden)
+            cells = []
+            for name, layer in layers.items():
+                layer(x)
+                times = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    layer(x)
+                    times.append(time.perf_counter() - t0)
+                ms = 1e3 * statistics.median(times)
+                cells.append(f"{name} {ms:6.2f} ms ({ms / m:5.2f} a row)")
+            print(f"rows {m:3d}: " + "   ".join(cells))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # batch, our plain batched steps, our batched n-gram rounds; batch 1 is our single-row path; CUDA
 # graphs and compile), then `specsplit bench --concurrent-clients` (clients of one batching target
 # worker, a `specsplit serve` process, over gRPC loopback; the client-loop decoder's draft worker
-# does not batch on a GPU), then (AB=1) the batch run again with CUDA graphs alone.
+# batches too), then (AB=1) the batch run again with CUDA graphs alone.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export SPECSPLIT_CACHE="${SPECSPLIT_CACHE:-/tmp/specsplit-cache}"

@@ -282,6 +282,11 @@ class DraftConfig:
         fuse_projections: rewrite the loaded Llama/Qwen2 layers (in place, for every caller) to
             compute q/k/v with one GEMM and gate/up with one; same weights, no extra memory; the
             low-order bits of results may differ.
+        pack_weights: pack every linear layer's weight once for the CPU's matmul
+            (:mod:`specsplit.runtime.packed`): a forward of a few rows (a tree, a small batch) then
+            costs about one row's. ``None`` (default): models the engine loads itself by name, when
+            they are float32 on a CPU; ``True``: also a model object passed in (rewritten in place);
+            ``False``: never. Low-order bits of results may differ from the unpacked model's.
         max_sessions: live sessions kept; one more evicts the least recently used.
         session_ttl_s: idle sessions older than this are freed.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
@@ -294,6 +299,7 @@ class DraftConfig:
     cuda_graphs: bool = False
     compile: bool = False
     fuse_projections: bool = False
+    pack_weights: bool | None = None
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_tree_nodes: int = 256
@@ -310,7 +316,7 @@ class TargetConfig:
     """The target model and its engine.
 
     Attributes:
-        model / device / dtype / cuda_graphs / compile / fuse_projections / max_sessions /
+        model / device / dtype / cuda_graphs / compile / fuse_projections / pack_weights / max_sessions /
             session_ttl_s / tuning: as for :class:`DraftConfig`.
         device_map: accelerate device map (``"auto"`` or a dict) that spreads the target over
             several GPUs; takes precedence over ``device`` (such a target runs eagerly).
@@ -327,6 +333,7 @@ class TargetConfig:
     cuda_graphs: bool = False
     compile: bool = False
     fuse_projections: bool = False
+    pack_weights: bool | None = None
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_tree_nodes: int = 256
@@ -600,3 +607,7 @@ def _check_engine(cfg: DraftConfig | TargetConfig, section: str) -> None:
         raise ConfigError(f"{section}.max_tree_nodes and {section}.max_tree_depth must be >= 1")
     if not isinstance(cfg.tuning, EngineTuning):
         cfg.tuning = _from_dict(EngineTuning, cfg.tuning, f"{section}.tuning")
+    if cfg.pack_weights and cfg.fuse_projections:
+        raise ConfigError(
+            f"{section}.pack_weights (CPU) and {section}.fuse_projections (GPU) exclude each other"
+        )

@@ -322,6 +322,10 @@ class SpecSplitGenerator:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         gc = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        if generation_config is not None and generation_config is not self.generation_config:
+            # As HF generate(): what the given config leaves unset (None) comes from the model's own
+            # defaults (a registry model's repetition penalty, say), then the keyword arguments.
+            gc.update(**self.generation_config.to_dict(), defaults_only=True)
         unused = gc.update(**kwargs)
         if unused:
             raise TypeError(f"generate() got unexpected keyword arguments: {sorted(unused)}")

@@ -114,6 +114,27 @@ def test_generation_config_object_and_kwargs_override(llama_target):
             gen.generate(ids, max_new_tokens=3, num_beams=4)
 
 
+def test_a_given_generation_config_takes_the_models_defaults_where_it_is_unset(llama_target):
+    """As HF generate(): fields a passed GenerationConfig leaves unset come from the model's own
+    generation_config (here a repetition penalty), fields it sets win."""
+    import copy
+
+    model = copy.deepcopy(llama_target)
+    model.generation_config.repetition_penalty = 1.5
+    ids = torch.tensor([PROMPTS[0]])
+    for gc in (
+        GenerationConfig(max_new_tokens=16, do_sample=False),  # penalty from the model: 1.5
+        GenerationConfig(max_new_tokens=16, do_sample=False, repetition_penalty=1.0),  # set: none
+    ):
+        ref = model.generate(ids, generation_config=copy.deepcopy(gc))
+        with SpecSplitGenerator(model, None, config=SpecSplitConfig(drafter="ngram")) as gen:
+            out = gen.generate(ids, generation_config=gc)
+        assert torch.equal(out, ref), gc.repetition_penalty
+        assert gc.repetition_penalty in (None, 1.0)  # the caller's config is not changed
+    plain = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=16, repetition_penalty=1.0))
+    assert not torch.equal(plain, model.generate(ids, generation_config=GenerationConfig(max_new_tokens=16)))
+
+
 def test_streamer_receives_all_new_text(llama_target, tokenizer):
     ids = torch.tensor([PROMPTS[0]])
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)

@@ -629,6 +629,45 @@ def test_batched_chain_drafts_on_cuda_graphs_equal_hf_greedy(llama_target):
     assert pool.captures >= 3
 
 
+def test_batched_capture_warms_up_on_the_staged_inputs(llama_target, monkeypatch):
+    """A capture's warm-up (on a side stream) reads the inputs just staged, even while the current
+    stream is still busy: it must wait for the snapshot it restores them from."""
+    import copy
+
+    from specsplit.engines.batched import BatchedTarget, ChainRow
+    from specsplit.runtime.runner import ModelRunner
+
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    pool = BatchedTarget(ModelRunner(target, None, "cuda:0", None, "float32"), slots=4, capacity=256)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    truth = [
+        llama_target.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    pool.prefill(0, [p[:-2] for p in prompts])
+    seen: list[torch.Tensor] = []
+    body = pool._chain_body
+
+    def spy(ch, k):  # what each run of the body reads, on the stream it runs on
+        if not torch.cuda.is_current_stream_capturing():
+            seen.append(ch.stage.clone())
+        return body(ch, k)
+
+    monkeypatch.setattr(pool, "_chain_body", spy)
+    wait = torch.cuda.Stream.wait_stream
+
+    def busy_after(self, other):  # the current stream stays busy right after any wait is recorded
+        wait(self, other)
+        torch.cuda._sleep(100_000_000)
+
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", busy_after)
+    out = pool.chain([ChainRow(len(p) - 2, p[-2:]) for p in prompts], 5)
+    torch.cuda.synchronize()
+    staged = next(iter(pool._chains.values())).host.to("cuda:0")
+    assert len(seen) == 2 and all(torch.equal(s, staged) for s in seen)
+    assert out == truth
+
+
 def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
     """A greedy batched round on the graph path makes no device-to-host read but its outcome's."""
     import copy

@@ -497,6 +497,11 @@ def test_worker_process_passes_on_the_workers_warnings(caplog: pytest.LogCapture
         "print('Loading weights: 100%', file=sys.stderr, flush=True)\n"
         "print('x.py:1: UserWarning: not a log level', file=sys.stderr, flush=True)\n"
         "print('2026-11-27 10:00:00 WARNING specsplit.runtime.graphs: workspace held', file=sys.stderr, flush=True)\n"
+        "print('2026-11-27 10:00:01 ERROR specsplit.remote.server: internal error', file=sys.stderr)\n"
+        "print('Traceback (most recent call last):', file=sys.stderr)\n"
+        "print('  File \"w.py\", line 1, in f', file=sys.stderr)\n"
+        "print('RuntimeError: boom', file=sys.stderr)\n"
+        "print('2026-11-27 10:00:02 INFO specsplit.remote.server: serving', file=sys.stderr, flush=True)\n"
         "print('READY 1', flush=True)\n"
         "time.sleep(30)\n"
     )
@@ -509,14 +514,19 @@ def test_worker_process_passes_on_the_workers_warnings(caplog: pytest.LogCapture
         w = Fake("draft", "m", ready_timeout_s=60).start()
         try:
             deadline = time.monotonic() + 10
-            while (
-                not any("workspace held" in r.message for r in caplog.records) and time.monotonic() < deadline
-            ):
+            while not any("boom" in r.message for r in caplog.records) and time.monotonic() < deadline:
                 time.sleep(0.02)
         finally:
             w.stop(grace=1.0)
     forwarded = [r.message for r in caplog.records if r.name == "specsplit.remote.launch"]
-    assert forwarded == ["draft worker: 2026-11-27 10:00:00 WARNING specsplit.runtime.graphs: workspace held"]
+    # Warnings and errors are forwarded with their traceback lines; other records and output are not.
+    assert forwarded == [
+        "draft worker: 2026-11-27 10:00:00 WARNING specsplit.runtime.graphs: workspace held",
+        "draft worker: 2026-11-27 10:00:01 ERROR specsplit.remote.server: internal error",
+        "draft worker: Traceback (most recent call last):",
+        'draft worker:   File "w.py", line 1, in f',
+        "draft worker: RuntimeError: boom",
+    ]
 
 
 def test_serve_engine_options_reach_both_roles() -> None:

@@ -586,13 +586,3 @@ def test_batched_worker_gathers_client_loop_verifications(engines, draft_batch) 
             d_srv.stop(grace=1.0)
     for i in range(ids.shape[0]):
         assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"
-
-
-def test_draft_worker_batching_refuses_a_cuda_device(engines, monkeypatch) -> None:
-    """``serve_draft(max_batch=...)`` on a CUDA engine is refused with a clear error (draft-worker
-    batching runs on CPU devices only for now), before anything is served."""
-    from specsplit.engines.draft import DraftEngine as Engine
-
-    monkeypatch.setattr(Engine, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ConfigError, match="CPU devices only"):
-        serve_draft(engines[0], max_batch=4)

@@ -56,6 +56,7 @@ class BatchBenchOptions:
     decoders: tuple[str, ...] = BATCH_DECODERS
     cuda_graphs: bool = False
     compile: bool = False
+    pack_weights: bool | None = None  # SpecSplit decoders run packed-weight copies (None: float32 on a CPU)
     threads: int | None = None
     clients: tuple[int, ...] = ()  # --concurrent-clients: client counts (instead of batch sizes)
     workers: str = "thread"  # --concurrent-clients: workers as "process"es (`specsplit serve`) or "thread"s
@@ -115,7 +116,7 @@ class _Decoder:
             cfg = SpecSplitConfig(drafter="ngram" if name == "specsplit-ngram" else "model", max_batch=128)
             cfg.target.cuda_graphs = opts.cuda_graphs
             cfg.target.compile = opts.compile
-            self.gen = SpecSplitGenerator(m.target, None, tokenizer=m.tokenizer, config=cfg)
+            self.gen = SpecSplitGenerator(m.specsplit_target, None, tokenizer=m.tokenizer, config=cfg)
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, max_new: int) -> tuple[list[list[int]], list[float]]:
         m = self.m
@@ -151,6 +152,8 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)
     draft = CLIENT_LOOP_DECODER in opts.decoders
     m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=draft)
+    if opts.pack_weights is not False and m.use_packed_weights():
+        logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
     if opts.tiny:
         prompts = smoke_prompts()
     else:
@@ -180,6 +183,7 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
             "repeats": opts.repeats,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
+            "pack_weights": m.packed,
             "batch_sizes": sorted(set(opts.clients or opts.batch_sizes)),
             "mode": "concurrent-clients" if opts.clients else "batch",
             "decoders": list(opts.decoders),
@@ -317,11 +321,11 @@ class _ClientWorkers:
         if opts.workers == "process" and not opts.tiny:
             flags = ["--cuda-graphs"] if opts.cuda_graphs else []
             flags += ["--compile"] if opts.compile else []
-            flags += ["--max-workers", str(most + 4)]
+            flags += ["--max-workers", str(most + 4), "--pack-weights" if m.packed else "--no-pack-weights"]
             batch = ["--max-batch", str(most), "--batch-capacity", str(capacity)]
             roles = [("target", m.target_name, batch)]
-            if m.draft is not None:  # a draft worker batches on CPU devices only (serve_draft)
-                roles.append(("draft", m.draft_name, batch if m.device == "cpu" else []))
+            if m.draft is not None:
+                roles.append(("draft", m.draft_name, batch))
             try:
                 for role, name, extra in roles:
                     self.processes.append(
@@ -336,13 +340,14 @@ class _ClientWorkers:
             )
             return
         limits = AdmissionLimits(max_calls=most + 4, max_queued=most + 4)
-        engine = TargetEngine(m.target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile))
+        engine = TargetEngine(
+            m.specsplit_target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile)
+        )
         self.servers.append(serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
                                          batch_capacity=capacity))  # fmt: skip
         if m.draft is not None:
-            d_engine = DraftEngine(m.draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
-            d_batch = most if d_engine.device.type == "cpu" else 0  # batching drafts: CPU only (serve_draft)
-            self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=d_batch,
+            d_engine = DraftEngine(m.specsplit_draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
+            self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
                                             batch_capacity=capacity))  # fmt: skip
         self.addresses = (self.servers[0].address, self.servers[1].address if m.draft is not None else None)
 

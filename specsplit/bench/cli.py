@@ -69,6 +69,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "fused into one GEMM each (specsplit.runtime.fused); the HF decoders keep the originals. Costs "
         "one more copy of each model",
     )
+    _set_help(
+        p,
+        "pack_weights",
+        "SpecSplit decoders, local or a gRPC worker, run copies of the models with every linear weight "
+        "packed for the CPU's matmul (specsplit.runtime.packed), as the engines pack models they load; "
+        "the HF decoders keep the originals. Default: on for float32 models on a CPU",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the suite's token count")
     p.add_argument("--repeats", type=int, default=None, help="override the suite's timed repeats")
     p.add_argument(
@@ -223,6 +230,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     parts += ["--grpc-workers", args.grpc_workers]
     if args.fuse_projections:
         parts.append("--fuse-projections")
+    if args.pack_weights is not None:
+        parts.append("--pack-weights" if args.pack_weights else "--no-pack-weights")
     parts += _tuning_flags(args)
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
@@ -268,6 +277,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         baseline_repeats=args.baseline_repeats,
         overlap_draft_device=args.overlap_draft_device,
         fuse_projections=args.fuse_projections,
+        pack_weights=args.pack_weights,
     )
 
 
@@ -352,6 +362,7 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
             decoders=decoders,
             cuda_graphs=args.cuda_graphs,
             compile=args.compile,
+            pack_weights=args.pack_weights,
             threads=args.threads,
             prompts_dir=args.prompts,
             out=args.out,

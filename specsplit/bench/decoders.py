@@ -43,6 +43,7 @@ __all__ = [
 ]  # fmt: skip
 
 FUSED_WORDS = ", fused q/k/v and gate/up projections"  # label words of the decoders that run fused copies
+PACKED_WORDS = ", packed CPU weights"  # ... and of those that run packed copies
 PROMPT_LOOKUP_TOKENS = 10
 
 
@@ -287,6 +288,7 @@ def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | 
     if flags and not spec.compile:
         text += ", " + ", ".join(flags)
     text += FUSED_WORDS if m.fused else ""
+    text += PACKED_WORDS if m.packed else ""
     if plan.graphs and spec.prefill_graphs is None and not opts.tuning.prefill_graphs:
         text += ", eager prompt forwards"
     if spec.grpc:
@@ -314,6 +316,7 @@ def _worker_args(m: BenchModels, plan: _Plan, tuning: EngineTuning) -> list[str]
     for name in ("attention_kernel", "graph_capacity", "q_top_k"):
         if getattr(tuning, name) != getattr(default, name):
             args += [f"--{name.replace('_', '-')}", str(getattr(tuning, name))]
+    args.append("--pack-weights" if m.packed else "--no-pack-weights")
     return args + (["--fuse-projections"] if m.fused else [])
 
 

@@ -30,18 +30,19 @@ class BenchModels:
     overlap_draft: Any = None  # a copy of the draft on another device for the overlapped decoders
     overlap_draft_device: str | None = None
     fused: bool = False  # SpecSplit decoders run copies with fused projections (use_fused_projections)
-    fused_target: Any = None
-    fused_draft: Any = None
+    packed: bool = False  # SpecSplit decoders run copies with packed CPU weights (use_packed_weights)
+    own_target: Any = None  # the SpecSplit decoders' copies (fused or packed), None: the originals
+    own_draft: Any = None
 
     @property
     def specsplit_target(self) -> Any:
-        """The target the SpecSplit decoders run (the fused copy after :meth:`use_fused_projections`)."""
-        return self.fused_target if self.fused else self.target
+        """The target the SpecSplit decoders run (their own copy once fused or packed)."""
+        return self.own_target if self.own_target is not None else self.target
 
     @property
     def specsplit_draft(self) -> Any:
-        """The draft the SpecSplit decoders run (the fused copy after :meth:`use_fused_projections`)."""
-        return self.fused_draft if self.fused else self.draft
+        """The draft the SpecSplit decoders run (their own copy once fused or packed)."""
+        return self.own_draft if self.own_target is not None else self.draft
 
     def use_overlap_device(self, device: str) -> None:
         """Give the overlapped decoders their own draft copy on ``device`` (e.g. a second GPU)."""
@@ -58,29 +59,51 @@ class BenchModels:
         its weights); the overlapped decoders' draft copy, used by SpecSplit only, is fused in place.
         Costs one more copy of each model on its device. Returns how many modules were fused.
         """
-        from specsplit.models.self_draft import truncated_draft
         from specsplit.runtime.fused import fuse_projections
 
-        if self.fused:
+        if self.fused or self.packed:
             return 0
-        self.fused_target = copy.deepcopy(self.target)
-        n = fuse_projections(self.fused_target)
-        if self.draft is not None and self.draft_name.startswith("self:"):
-            self.fused_draft = truncated_draft(self.fused_target, int(self.draft_name.split(":", 1)[1]))
-        elif self.draft is not None:
-            self.fused_draft = copy.deepcopy(self.draft)
-            n += fuse_projections(self.fused_draft)
+        n = self._own_copies(fuse_projections)
         if self.overlap_draft is not None:
             n += fuse_projections(self.overlap_draft)
         self.fused = True
         return n
 
+    def use_packed_weights(self) -> int:
+        """SpecSplit decoders get copies of the models with their linear weights packed for the CPU
+        (:mod:`specsplit.runtime.packed`), as the engines pack the models they load themselves; the
+        HF decoders keep the originals. Returns how many layers were packed (0 where packing does
+        not apply: not float32 on a CPU)."""
+        from specsplit.runtime.packed import pack_linears, packable
+
+        if self.fused or self.packed or not packable(self.target):
+            return 0
+        n = self._own_copies(pack_linears)
+        self.packed = True
+        return n
+
+    def _own_copies(self, rewrite: Any) -> int:
+        """The SpecSplit decoders' copies of the models, rewritten by ``rewrite`` (a ``self:N`` draft
+        is cut from the target's copy, sharing its weights); how many modules it changed."""
+        from specsplit.models.self_draft import truncated_draft
+
+        self.own_target = copy.deepcopy(self.target)
+        n: int = rewrite(self.own_target)
+        if self.draft is not None and self.draft_name.startswith("self:"):
+            self.own_draft = truncated_draft(self.own_target, int(self.draft_name.split(":", 1)[1]))
+        elif self.draft is not None:
+            self.own_draft = copy.deepcopy(self.draft)
+            n += rewrite(self.own_draft)
+        return n
+
     def generation_config(self, max_new_tokens: int) -> Any:
-        """The one greedy ``GenerationConfig`` every decoder runs with (EOS kept, explicit pad)."""
+        """The one greedy ``GenerationConfig`` every decoder runs with (EOS kept, explicit pad, no
+        repetition penalty whatever the model's defaults say)."""
         from transformers import GenerationConfig
 
         return GenerationConfig(
             do_sample=False,
+            repetition_penalty=1.0,  # set: generate() would take a registry model's default (1.1)
             max_new_tokens=max_new_tokens,
             eos_token_id=list(self.eos_token_ids),
             pad_token_id=self.pad_token_id,

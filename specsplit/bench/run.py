@@ -126,6 +126,7 @@ class BenchOptions:
     baseline_repeats: int | None = None  # HF decoders time only this many repeats (None: all)
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     fuse_projections: bool = False  # SpecSplit decoders run fused-projection copies of the models
+    pack_weights: bool | None = None  # ... packed-weight copies (None: where they are float32 on a CPU)
     dynamic_tree: tuple[int, int, int, int] | None = None  # (topk, width, budget, depth) of dynamic trees
 
     def build_options(self) -> BuildOptions:
@@ -349,6 +350,8 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
     if opts.fuse_projections:
         logger.info("fused the projections of %d modules in the SpecSplit decoders' copies",
                     models.use_fused_projections())  # fmt: skip
+    elif opts.pack_weights is not False and models.use_packed_weights():
+        logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
     devices = [models.device, models.draft_device] + (
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
@@ -398,6 +401,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "engine_tuning": asdict(opts.tuning),
             "pipeline_tuning": asdict(opts.pipeline),
             "fuse_projections": opts.fuse_projections,
+            "pack_weights": models.packed,
             "weight_read_bound": bound,
             "num_draft_tokens": opts.num_draft_tokens,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,

@@ -26,6 +26,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one GEMM for q/k/v and one for gate/up per layer (Llama/Qwen2; rewrites the loaded models)",
     )
+    p.add_argument(
+        "--pack-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pack the linear layers' weights once for the CPU's matmul (a tree or a small batch then "
+        "costs about one row); default: on for float32 models on a CPU",
+    )
 
 
 def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
@@ -113,6 +120,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("cuda_graphs", "compile", "fuse_projections"):
         if getattr(args, name):
             out[name] = True
+    if getattr(args, "pack_weights", None) is not None:
+        out["pack_weights"] = args.pack_weights
     tuning = {name: getattr(args, name) for name in _TUNING if getattr(args, name, None) is not None}
     if tuning:
         out["tuning"] = tuning

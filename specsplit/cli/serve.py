@@ -264,6 +264,21 @@ def _load(args: argparse.Namespace) -> torch.nn.Module:
     return load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
 
 
+def _packs(args: argparse.Namespace) -> bool:
+    """Whether :func:`_load`'s model gets packed CPU weights by default (float32 on a CPU)."""
+    import torch
+
+    from specsplit.runtime import packed
+    from specsplit.runtime.runner import default_device, resolve_dtype
+
+    device = torch.device(args.device or str(default_device()))
+    return (
+        device.type == "cpu"
+        and resolve_dtype(args.dtype or "auto", str(device)) == torch.float32
+        and packed.available()
+    )
+
+
 def specpv_config(args: argparse.Namespace) -> Any:
     """The target's ``SpecPVConfig`` from the ``--specpv*`` options (defaults where not given)."""
     from specsplit.config import SpecPVConfig
@@ -356,6 +371,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_sessions_per_client=args.max_sessions_per_client,
         evict_idle_s=args.evict_idle,
     )
+    if "pack_weights" not in common and not common.get("fuse_projections"):
+        # The worker loads its model itself: packed where it is float32 on a CPU, as the engines do.
+        common["pack_weights"] = _packs(args)
     engine: object
     if args.role == "draft":
         from specsplit.engines.draft import DraftEngine

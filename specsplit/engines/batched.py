@@ -465,9 +465,12 @@ class BatchedTarget:
         Warm-up runs write only positions past each row's committed length: a staged round never
         moves committed KV."""
         with CAPTURE_LOCK, torch.cuda.device(self.device):
+            # The snapshot is taken on the current stream BEFORE the side stream's wait is
+            # recorded: the warm-up must not read it before the clone has run (it would stage
+            # whatever the fresh block held, and index with it).
+            snapshot = stage.clone()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            snapshot = stage.clone()
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     stage.copy_(snapshot)

@@ -23,6 +23,7 @@ from specsplit.errors import TransportError
 
 logger = logging.getLogger(__name__)
 _SEVERE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b")  # log levels, not Python's "UserWarning"
+_RECORD = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")  # a log record's first line (its timestamp)
 
 
 class WorkerProcess:
@@ -89,10 +90,17 @@ class WorkerProcess:
 
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
+        forwarding = False
         for text in self.proc.stderr:
             self._log.append(text)
             del self._log[:-200]
-            if _SEVERE.search(text):  # the worker's own warnings reach this process's log
+            # The worker's own warnings and errors reach this process's log, with the lines that
+            # continue them (an error's traceback) up to the next record.
+            if _RECORD.match(text):
+                forwarding = bool(_SEVERE.search(text))
+            elif not forwarding:
+                forwarding = bool(_SEVERE.search(text))
+            if forwarding:
                 logger.warning("%s worker: %s", self.role, text.rstrip())
 
     def stop(self, grace: float = 5.0) -> None:

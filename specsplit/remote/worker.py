@@ -245,11 +245,6 @@ def serve_draft(
     tokens = _tokens(auth_token)
     adm = _admission(max_workers, admission, tokens, engine)
     sessions = None
-    if max_batch >= 2 and getattr(getattr(engine, "device", None), "type", "") == "cuda":
-        # Not yet trusted on a GPU: one H100 run hit a device-side assert in the batched chain
-        # drafts (benchmarks/RESULTS.md, "Batched generation"); a CUDA error ends the whole worker.
-        raise ConfigError("--max-batch on a draft worker runs on CPU devices only for now (see "
-                          "benchmarks/RESULTS.md, 'Batched generation'); start the draft worker without it")  # fmt: skip
     if max_batch >= 2:
         graphs = _graphs(engine)
         pool = _pool(engine, max_batch, batch_capacity, graphs)

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from specsplit.core.pinned import to_device
-from specsplit.errors import InvalidRequest, ModelLoadError
+from specsplit.errors import ConfigError, InvalidRequest, ModelLoadError
 from specsplit.runtime.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.runtime.attention import install as install_attention
 from specsplit.runtime.kv_cache import StaticKVCache
+from specsplit.runtime.packed import pack_linears, packable
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class ModelRunner:
             in place, once the model is placed.
         attention_kernel: ``"math"``: tree forwards attend through the folded matmul kernel at any
             prefix length (:mod:`specsplit.runtime.attention`); ``"sdpa"``: only from long prefixes on.
+        pack_weights: pack the linear layers' weights for the CPU (:mod:`specsplit.runtime.packed`),
+            in place; ``None``: only a model this runner loads itself, when it is float32 on a CPU.
     """
 
     def __init__(
@@ -61,8 +64,13 @@ class ModelRunner:
         fold_gqa: bool = False,
         fuse_projections: bool = False,
         attention_kernel: str = "sdpa",
+        pack_weights: bool | None = None,
     ):
+        if pack_weights and fuse_projections:
+            raise ConfigError("pack_weights and fuse_projections exclude each other: packing is for the "
+                              "CPU, fused projections for the GPU")  # fmt: skip
         self.model = model
+        self._pack = pack_weights
         self._fold_gqa = fold_gqa
         self._fuse = fuse_projections
         self._attention_kernel = attention_kernel
@@ -74,7 +82,7 @@ class ModelRunner:
         self.forward_count = 0  # number of model forwards (tests count one per verify round)
         self._lock = threading.Lock()
         if model is not None:
-            self._prepare(model)
+            self._prepare(model, loaded=False)
 
     # ------------------------------------------------------------------ loading
     @property
@@ -92,10 +100,10 @@ class ModelRunner:
         dtype = resolve_dtype(self._dtype, dev)
         t0 = time.perf_counter()
         self.model = load_model(self.model_name, dtype=dtype, device=dev, device_map=self._device_map)
-        self._prepare(self.model)
+        self._prepare(self.model, loaded=True)
         logger.info("loaded %s on %s in %.1fs", self.model_name, self.input_device, time.perf_counter() - t0)
 
-    def _prepare(self, model: Any) -> None:
+    def _prepare(self, model: Any, loaded: bool) -> None:
         model.eval()
         if self._device is not None and self._device_map is None and not hasattr(model, "hf_device_map"):
             model.to(self._device)
@@ -122,6 +130,10 @@ class ModelRunner:
             from specsplit.runtime.fused import fuse_projections
 
             logger.info("fused the projections of %d modules", fuse_projections(model))
+        elif self._pack or (self._pack is None and loaded and packable(model)):
+            if not packable(model):
+                raise ConfigError("pack_weights needs a float32 model on a CPU and a torch with oneDNN")
+            pack_linears(model)
 
     def require(self) -> torch.nn.Module:
         if self.model is None:

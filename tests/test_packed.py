@@ -1,0 +1,140 @@
+"""specsplit.runtime.packed: linear weights packed once for the CPU's matmul, same model otherwise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_llama, tiny_qwen2
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+from specsplit.bench.batch import left_padded
+from specsplit.config import DraftConfig, TargetConfig
+from specsplit.errors import ConfigError
+from specsplit.runtime import packed
+from specsplit.runtime.packed import PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch build has no oneDNN")
+
+PROMPT = [5, 17, 33, 81, 9, 100, 5, 17, 33, 81]
+
+
+def _tied_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_packed_linear_computes_what_linear_does_row_by_row():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200)
+    ref = copy.deepcopy(lin)
+    p = PackedLinear(lin)
+    x = torch.randn(3, 7, 96)
+    with torch.inference_mode():
+        out = p(x)
+        torch.testing.assert_close(out, ref(x), atol=1e-5, rtol=1e-5)
+        # A row's result does not depend on the other rows of its call (trees, batches).
+        assert torch.equal(out[1, 4], p(x[1, 4:5])[0])
+        assert torch.equal(out[:, 2], p(x[:, 2]))
+    assert torch.equal(p.weight, ref.weight.detach())  # unpacked on access
+    assert "packed" in repr(p)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2, _tied_llama], ids=["llama", "qwen2", "tied"])
+def test_packed_model_computes_the_same_logits(build):
+    model = build(3)
+    ref = copy.deepcopy(model)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    ids = torch.tensor([PROMPT * 3])
+    with torch.inference_mode():
+        want = ref(ids).logits
+        assert pack_linears(model) == linears
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    head = model.get_output_embeddings()
+    assert isinstance(head, PackedLinear)
+    if model.config.tie_word_embeddings:  # the head keeps the embedding's weight (the lookup reads it)
+        assert head.weight is model.get_input_embeddings().weight
+    else:  # the dense weights are gone: only the embeddings and norms remain as parameters
+        assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in ref.parameters()) / 2
+    assert pack_linears(model) == 0  # nothing left to pack
+    twin = copy.deepcopy(model)  # a copy is packed too and computes the same
+    with torch.inference_mode():
+        assert torch.equal(twin(ids).logits, got)
+    assert isinstance(twin.get_output_embeddings(), PackedLinear)
+
+
+def test_models_that_are_not_float32_on_a_cpu_are_left_alone():
+    model = tiny_llama(4).to(torch.bfloat16)
+    assert pack_linears(model) == 0
+    with pytest.raises(ConfigError, match="float32 model on a CPU"):
+        SpecSplitGenerator(model, None, config=SpecSplitConfig(target=TargetConfig(pack_weights=True)))
+
+
+def test_pack_weights_and_fused_projections_exclude_each_other():
+    with pytest.raises(ConfigError, match="exclude each other"):
+        TargetConfig(pack_weights=True, fuse_projections=True)
+
+
+@pytest.mark.parametrize(
+    "drafter,shape", [("model", "chain"), ("model", "dynamic"), ("ngram", "chain")], ids=str
+)
+def test_packed_engines_equal_hf_generate_of_the_unpacked_model(drafter, shape):
+    """float32 greedy: packed target and draft give HF generate()'s tokens on the original model."""
+    target = tiny_qwen2(5)
+    draft = noisy_copy(target, 0.002, seed=1) if drafter == "model" else None
+    ids = torch.tensor([PROMPT])
+    ref = copy.deepcopy(target).generate(ids, max_new_tokens=32, do_sample=False)
+    cfg = SpecSplitConfig(
+        drafter=drafter,
+        tree=TreeConfig(shape=shape),
+        draft=DraftConfig(pack_weights=True),
+        target=TargetConfig(pack_weights=True),
+    )
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        out = gen.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert isinstance(target.model.layers[0].mlp.up_proj, PackedLinear)
+    if draft is not None:
+        assert isinstance(draft.model.layers[0].self_attn.q_proj, PackedLinear)
+        assert out.spec_stats.acceptance_rate > 0.3
+
+
+def test_packed_batched_rows_equal_hf_alone():
+    target = tiny_llama(6)
+    ref = copy.deepcopy(target)
+    prompts = [PROMPT, [7, 7, 12], [44, 3, 19, 250, 61, 62, 63, 64, 9], [90]]
+    ids, mask = left_padded(prompts)
+    cfg = SpecSplitConfig(drafter="ngram", max_batch=4, target=TargetConfig(pack_weights=True))
+    with SpecSplitGenerator(target, None, config=cfg) as gen:
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=20)
+    for b, p in enumerate(prompts):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+        got = out[b, ids.shape[1] :].tolist()
+        new = want[0, len(p) :].tolist()
+        assert got[: len(new)] == new, f"row {b}"
+
+
+def test_models_passed_in_are_packed_only_when_asked_and_loaded_ones_by_default(tmp_path):
+    target = tiny_llama(7)
+    with SpecSplitGenerator(target, None, config=SpecSplitConfig(drafter="ngram")):
+        assert type(target.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    target.save_pretrained(tmp_path / "tiny")
+    cfg = SpecSplitConfig(drafter="ngram", target=TargetConfig(model=str(tmp_path / "tiny"), device="cpu"))
+    with SpecSplitGenerator(None, None, config=cfg) as gen:
+        loaded = gen.target_engine.runner.require()
+        assert isinstance(loaded.model.layers[0].mlp.up_proj, PackedLinear)
+        out = gen.generate(torch.tensor([PROMPT]), max_new_tokens=16)
+    want = target.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, want)
+    cfg.target.pack_weights = False
+    with SpecSplitGenerator(None, None, config=cfg) as gen:
+        assert type(gen.target_engine.runner.require().model.layers[0].mlp.up_proj) is torch.nn.Linear
