@@ -138,3 +138,17 @@ def test_models_passed_in_are_packed_only_when_asked_and_loaded_ones_by_default(
     cfg.target.pack_weights = False
     with SpecSplitGenerator(None, None, config=cfg) as gen:
         assert type(gen.target_engine.runner.require().model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+def test_a_served_model_is_packed_by_default(tmp_path):
+    """`specsplit serve` loads its model itself: packed on a float32 CPU unless told otherwise."""
+    import argparse
+
+    from specsplit.cli.serve import _load
+
+    tiny_llama(8).save_pretrained(tmp_path / "tiny")
+    args = argparse.Namespace(model=str(tmp_path / "tiny"), device="cpu", dtype=None)
+    for given, fused, want in ((None, False, True), (False, False, False), (None, True, None)):
+        cfg = TargetConfig(pack_weights=given, fuse_projections=fused)
+        _load(args, cfg)
+        assert cfg.pack_weights is want

@@ -256,27 +256,18 @@ def check_exposure(host: str, tls: bool, token: bool, insecure: bool) -> None:
     )
 
 
-def _load(args: argparse.Namespace) -> torch.nn.Module:
+def _load(args: argparse.Namespace, cfg: Any) -> torch.nn.Module:
+    """The worker's model, loaded here; unless told otherwise its weights get packed where it is
+    float32 on a CPU, as the engines do with the models they load themselves."""
     from specsplit.models import load_model
+    from specsplit.runtime.packed import packable
     from specsplit.runtime.runner import default_device, resolve_dtype
 
     device = args.device or str(default_device())
-    return load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
-
-
-def _packs(args: argparse.Namespace) -> bool:
-    """Whether :func:`_load`'s model gets packed CPU weights by default (float32 on a CPU)."""
-    import torch
-
-    from specsplit.runtime import packed
-    from specsplit.runtime.runner import default_device, resolve_dtype
-
-    device = torch.device(args.device or str(default_device()))
-    return (
-        device.type == "cpu"
-        and resolve_dtype(args.dtype or "auto", str(device)) == torch.float32
-        and packed.available()
-    )
+    model = load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
+    if cfg.pack_weights is None and not cfg.fuse_projections:
+        cfg.pack_weights = packable(model)
+    return model
 
 
 def specpv_config(args: argparse.Namespace) -> Any:
@@ -371,15 +362,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_sessions_per_client=args.max_sessions_per_client,
         evict_idle_s=args.evict_idle,
     )
-    if "pack_weights" not in common and not common.get("fuse_projections"):
-        # The worker loads its model itself: packed where it is float32 on a CPU, as the engines do.
-        common["pack_weights"] = _packs(args)
     engine: object
     if args.role == "draft":
         from specsplit.engines.draft import DraftEngine
 
         dcfg = DraftConfig(model=args.model, device=args.device, **common)
-        engine = DraftEngine(_load(args), config=dcfg)
+        engine = DraftEngine(_load(args, dcfg), config=dcfg)
     else:
         from specsplit.engines.target import TargetEngine
 
@@ -393,7 +381,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_context=args.max_context,
             **common,
         )
-        engine = TargetEngine(_load(args), config=tcfg)
+        engine = TargetEngine(_load(args, tcfg), config=tcfg)
     if args.role == "draft":
         batching = {k: v for k, v in draft_peer.items() if k in ("max_batch", "batch_capacity")}
         server = serve_draft(engine, port=args.port, host=args.host, max_workers=args.max_workers, tls=tls,
