@@ -285,8 +285,9 @@ class DraftConfig:
         pack_weights: pack every linear layer's weight once for the CPU's matmul
             (:mod:`specsplit.runtime.packed`): a forward of a few rows (a tree, a small batch) then
             costs about one row's. ``None`` (default): models the engine loads itself by name, when
-            they are float32 on a CPU; ``True``: also a model object passed in (rewritten in place);
-            ``False``: never. Low-order bits of results may differ from the unpacked model's.
+            they are float32 on a CPU and ``compile`` is off (torch.compile cannot lower packed
+            weights); ``True``: also a model object passed in (rewritten in place); ``False``:
+            never. Low-order bits of results may differ from the unpacked model's.
         max_sessions: live sessions kept; one more evicts the least recently used.
         session_ttl_s: idle sessions older than this are freed.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
@@ -610,4 +611,9 @@ def _check_engine(cfg: DraftConfig | TargetConfig, section: str) -> None:
     if cfg.pack_weights and cfg.fuse_projections:
         raise ConfigError(
             f"{section}.pack_weights (CPU) and {section}.fuse_projections (GPU) exclude each other"
+        )
+    if cfg.pack_weights and cfg.compile:
+        raise ConfigError(
+            f"{section}.pack_weights and {section}.compile exclude each other: torch.compile cannot "
+            "lower packed oneDNN weights (on a CPU it packs the weights of what it compiles itself)"
         )

@@ -512,3 +512,107 @@ def test_background_rounds_stream_in_chunks_and_close_ends_what_is_left(llama_ta
     sched.close()
     assert all(t.done for t in held)
     assert any(isinstance(t.error, ResourceExhausted) for t in held)
+
+
+def _placed_sessions(batcher, first: dict[str, object]) -> dict[str, object]:
+    """Place each session with its first request (no waiting), then give the batcher a long wait."""
+    batcher.gather_s = 0.0
+    out = {key: call() for key, call in first.items()}
+    batcher.gather_s = 30.0
+    return out
+
+
+def _concurrently(calls: dict[str, object]) -> tuple[dict[str, object], float]:
+    """Run every call in its own thread, each started as the previous one is queued or running."""
+    import threading
+    import time
+
+    got: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda k=k, c=c: got.__setitem__(k, c())) for k, c in calls.items()]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+        time.sleep(0.05)  # the first caller is already gathering, holding the driver lock
+    for t in threads:
+        t.join(60)
+    return got, time.monotonic() - t0
+
+
+def test_running_sessions_join_a_round_that_is_gathering(llama_target):
+    """A round's driver gathers with the driver lock held; the next requests of running sessions
+    must still reach its queue (they need no placement), so all three sessions share ONE round and
+    nobody waits out the (long) gather bound. Verifications and chain drafts alike."""
+    from specsplit.config import TreeConfig
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.batched_sessions import (
+        MAX_CHAIN,
+        MAX_INGEST,
+        MAX_NODES,
+        DraftBatcher,
+        SessionBatcher,
+    )
+    from specsplit.messages import DraftRequest, VerifyRequest
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    empty = TokenTree.empty()
+    keys = ("a", "b", "c")
+    prompts = dict(zip(keys, (PROMPTS[0][:8], PROMPTS[2][:8], PROMPTS[5][:8]), strict=True))
+    sb = SessionBatcher(BatchedTarget(runner, slots=3, capacity=32 + MAX_NODES), runner.vocab_size, 256, 64)
+    first = _placed_sessions(
+        sb, {k: (lambda k=k: sb.verify(VerifyRequest(k, empty, prompts[k], 0))) for k in keys}
+    )
+    rounds = sb.rounds
+    got, took = _concurrently(
+        {k: (lambda k=k: sb.verify(VerifyRequest(k, empty, [first[k].next_token_id], 8))) for k in keys}
+    )
+    assert sb.rounds == rounds + 1 and took < 15.0
+    for k in keys:
+        assert [first[k].next_token_id, got[k].next_token_id] == _alone(llama_target, prompts[k], 2)
+
+    chain2 = TreeConfig(shape="chain", num_draft_tokens=2)
+    db = DraftBatcher(BatchedTarget(runner, slots=3, capacity=32 + MAX_INGEST + MAX_CHAIN), runner.vocab_size)
+    drafts = _placed_sessions(
+        db, {k: (lambda k=k: db.draft(DraftRequest(k, prompts[k], 0, chain2))) for k in keys}
+    )
+    rounds = db.rounds
+    truth = {k: _alone(llama_target, prompts[k], 5) for k in keys}
+    got, took = _concurrently(
+        {k: (lambda k=k: db.draft(DraftRequest(k, truth[k][:3], 8, chain2))) for k in keys}
+    )
+    assert db.rounds == rounds + 1 and took < 15.0
+    for k in keys:
+        assert drafts[k].tree.token_ids.tolist() == truth[k][:2]
+        assert got[k].tree.token_ids.tolist() == truth[k][3:5]
+
+
+def test_a_round_waits_for_sessions_due_soon_and_not_for_late_ones(llama_target):
+    """Past ``gather_s`` a round waits for a session its think time says is due within
+    EXPECT_ROUNDS of its own call time (both share one round), never for one due later."""
+    import threading
+    import time
+
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.batched_sessions import MAX_NODES, SessionBatcher
+    from specsplit.messages import VerifyRequest
+
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    empty = TokenTree.empty()
+    sb = SessionBatcher(BatchedTarget(runner, slots=2, capacity=32 + MAX_NODES), runner.vocab_size, 256, 64)
+    a = _placed_sessions(sb, {"a": lambda: sb.verify(VerifyRequest("a", empty, PROMPTS[0][:8], 0)),
+                              "b": lambda: sb.verify(VerifyRequest("b", empty, PROMPTS[2][:8], 0))})  # fmt: skip
+    sb.gather_s = 0.0
+    sb._run_s = 2.0  # rounds "take" 2 s: a round may wait up to 3 s for sessions due by then
+    b = sb._sessions["b"]
+    b.replied, b.think = time.monotonic(), 0.3  # b is due in 0.3 s
+    rounds = sb.rounds
+    later = threading.Timer(0.2, lambda: sb.verify(VerifyRequest("b", empty, [a["b"].next_token_id], 8)))
+    later.start()
+    a2 = sb.verify(VerifyRequest("a", empty, [a["a"].next_token_id], 8))
+    later.join()
+    assert sb.rounds == rounds + 1  # a waited for b: one round for both
+
+    b.replied, b.think = time.monotonic(), 60.0  # b is due long after any wait a round may make
+    t0 = time.monotonic()
+    a3 = sb.verify(VerifyRequest("a", empty, [a2.next_token_id], 9))
+    assert a3.next_token_id == _alone(llama_target, PROMPTS[0][:8], 3)[2]
+    assert time.monotonic() - t0 < 2.0 and sb.rounds == rounds + 2

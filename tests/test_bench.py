@@ -855,3 +855,36 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
     assert all(0 < c["client_vs_alone_min"] <= c["client_vs_alone_p50"] <= c["client_vs_alone_max"]
                for c in cells.values())  # fmt: skip
     assert next(out.glob("clients-*.md")).read_text().count("grpc-model-clientloop") >= 2
+
+
+def test_client_processes_generate_what_client_threads_generate(tmp_path: Path) -> None:
+    """``--client-processes``: each client a spawned process with its own generator, started together
+    by a barrier; greedy clients make the same tokens as client threads do, and close() ends them."""
+    from specsplit import SpecSplitConfig
+    from specsplit.bench.batch import BatchBenchOptions, _ClientProcesses, _ClientThreads, _ClientWorkers
+    from specsplit.bench.models import load_models
+    from specsplit.bench.run import smoke_prompts
+
+    m = load_models(True, "cpu", None, None, None, "auto", with_draft=False)
+    opts = BatchBenchOptions(clients=(2,), tiny=True, workers="thread", client_processes=True)
+    workers = _ClientWorkers(m, opts, 2, 256)
+    rows = smoke_prompts()[:2]
+    cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=workers.addresses[0],
+                          drafter="ngram", timeout_s=120.0)  # fmt: skip
+    try:
+        threads = _ClientThreads(2, cfg, m.tokenizer)
+        try:
+            _, by_threads = threads.once(rows, m, 8)
+        finally:
+            threads.close()
+        procs = _ClientProcesses(2, cfg)
+        try:
+            wall, by_processes = procs.once(rows, m, 8)
+            _, again = procs.once(rows, m, 8)
+        finally:
+            procs.close()
+    finally:
+        workers.close()
+    assert [t for t, _ in by_processes] == [t for t, _ in by_threads] == [t for t, _ in again]
+    assert all(t > 0 and 0 < s <= wall for t, s in by_processes) and wall < 120
+    assert not any(p.is_alive() for p in procs.procs)

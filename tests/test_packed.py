@@ -84,6 +84,20 @@ def test_pack_weights_and_fused_projections_exclude_each_other():
         TargetConfig(pack_weights=True, fuse_projections=True)
 
 
+def test_compiled_engines_and_benches_keep_their_weights_unpacked():
+    """torch.compile cannot lower packed oneDNN weights: asking for both is refused, and a compiled
+    engine (or a bench with a compiled decoder) leaves even a loaded float32 CPU model unpacked."""
+    from specsplit.bench.run import pack_copies
+
+    with pytest.raises(ConfigError, match="compile exclude each other"):
+        TargetConfig(pack_weights=True, compile=True)
+    assert pack_copies(None, False, ("specsplit-ngram",))
+    assert not pack_copies(None, False, ("specsplit-ngram", "specsplit-ngram-compiled"))
+    assert not pack_copies(None, True, ("specsplit-ngram",)) and not pack_copies(False, False, ())
+    with pytest.raises(ValueError, match="exclude each other"):
+        pack_copies(True, False, ("specsplit-target-only-compiled",))
+
+
 @pytest.mark.parametrize(
     "drafter,shape", [("model", "chain"), ("model", "dynamic"), ("ngram", "chain")], ids=str
 )
@@ -138,6 +152,9 @@ def test_models_passed_in_are_packed_only_when_asked_and_loaded_ones_by_default(
     cfg.target.pack_weights = False
     with SpecSplitGenerator(None, None, config=cfg) as gen:
         assert type(gen.target_engine.runner.require().model.layers[0].mlp.up_proj) is torch.nn.Linear
+    cfg.target.pack_weights, cfg.target.compile = None, True  # compiled: left unpacked
+    with SpecSplitGenerator(None, None, config=cfg) as gen:
+        assert type(gen.target_engine.runner.require().model.layers[0].mlp.up_proj) is torch.nn.Linear
 
 
 def test_a_served_model_is_packed_by_default(tmp_path):
@@ -148,7 +165,8 @@ def test_a_served_model_is_packed_by_default(tmp_path):
 
     tiny_llama(8).save_pretrained(tmp_path / "tiny")
     args = argparse.Namespace(model=str(tmp_path / "tiny"), device="cpu", dtype=None)
-    for given, fused, want in ((None, False, True), (False, False, False), (None, True, None)):
-        cfg = TargetConfig(pack_weights=given, fuse_projections=fused)
+    for given, fused, compiled, want in ((None, False, False, True), (False, False, False, False),
+                                         (None, True, False, None), (None, False, True, None)):  # fmt: skip
+        cfg = TargetConfig(pack_weights=given, fuse_projections=fused, compile=compiled)
         _load(args, cfg)
         assert cfg.pack_weights is want

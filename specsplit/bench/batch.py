@@ -18,22 +18,25 @@ of ``specsplit-plain`` at ``B = 1``'s path (the target's own greedy output).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from specsplit.bench.models import BenchModels, load_models
 from specsplit.bench.report import machine_info, machine_slug, pyplot
-from specsplit.bench.run import BenchPrompt, load_prompts, smoke_prompts, tokenize_prompts
+from specsplit.bench.run import BenchPrompt, load_prompts, pack_copies, smoke_prompts, tokenize_prompts
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SCHEMA = "specsplit-bench-batch/1"
 BATCH_DECODERS = ("hf-batch", "specsplit-plain", "specsplit-ngram")
 CLIENT_DECODERS = ("grpc-plain", "grpc-ngram")  # concurrent clients of one batched target worker
@@ -60,6 +63,8 @@ class BatchBenchOptions:
     threads: int | None = None
     clients: tuple[int, ...] = ()  # --concurrent-clients: client counts (instead of batch sizes)
     workers: str = "thread"  # --concurrent-clients: workers as "process"es (`specsplit serve`) or "thread"s
+    # --concurrent-clients: each client a process of its own (None: when the workers are processes)
+    client_processes: bool | None = None
     prompts_dir: Path | None = None
     out: Path = Path("benchmarks/results")
     tag: str = ""
@@ -152,7 +157,7 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)
     draft = CLIENT_LOOP_DECODER in opts.decoders
     m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=draft)
-    if opts.pack_weights is not False and m.use_packed_weights():
+    if pack_copies(opts.pack_weights, opts.compile, ()) and m.use_packed_weights():
         logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
     if opts.tiny:
         prompts = smoke_prompts()
@@ -239,6 +244,8 @@ def _client_cells(
     capacity = -(-need // 256) * 256
     workers = _ClientWorkers(m, opts, most, capacity)
     target_address, draft_address = workers.addresses
+    # with worker processes the clients are processes too, as separate programs would be
+    own_processes = bool(workers.processes) if opts.client_processes is None else opts.client_processes
     cells: list[dict[str, Any]] = []
     try:
         for name in [d for d in opts.decoders if d in (*CLIENT_DECODERS, CLIENT_LOOP_DECODER)]:
@@ -254,16 +261,15 @@ def _client_cells(
                                   interleaved(prompts, most), m, opts.max_new_tokens)  # fmt: skip
             for n in sorted(set(opts.clients)):
                 rows = interleaved(prompts, n)
-                gens = [
-                    SpecSplitGenerator(tokenizer=m.tokenizer, config=copy.deepcopy(cfg)) for _ in range(n)
-                ]
+                clients: _Clients = (
+                    _ClientProcesses(n, cfg) if own_processes else _ClientThreads(n, cfg, m.tokenizer)
+                )
                 try:
                     logger.info("%d clients: %s (warm-up)", n, name)
-                    _clients_once(gens, rows, m, opts.max_new_tokens)
-                    wall, per = _clients_once(gens, rows, m, opts.max_new_tokens)
+                    clients.once(rows, m, opts.max_new_tokens)
+                    wall, per = clients.once(rows, m, opts.max_new_tokens)
                 finally:
-                    for g in gens:
-                        g.close()
+                    clients.close()
                 tokens = sum(t for t, _ in per)
                 speeds = sorted(t / s for t, s in per if s > 0)
                 # each client against its own prompt decoded alone (answers differ in length)
@@ -367,25 +373,33 @@ class _ClientWorkers:
 def _clients_once(
     gens: list[Any], rows: list[BenchPrompt], m: BenchModels, max_new: int
 ) -> tuple[float, list[tuple[int, float]]]:
-    """Every client generates its prompt at once; ``(wall, [(tokens, seconds)] per client)``."""
+    """Every client (a thread each) generates its prompt at once; ``(wall, [(tokens, seconds)] per client)``."""
+    gc = m.generation_config(max_new)
+    pairs = list(zip(gens, rows, strict=True))
+
+    def client(i: int) -> tuple[int, float]:
+        return _timed_generate(pairs[i][0], pairs[i][1].input_ids, gc, m.eos_token_ids)
+
+    return together([functools.partial(client, i) for i in range(len(pairs))])
+
+
+def together(calls: list[Callable[[], T]]) -> tuple[float, list[T]]:
+    """Run every call in a thread of its own, all released by one barrier; ``(wall, results)``.
+    The first error is raised once every call has finished."""
     import threading
 
-    gc = m.generation_config(max_new)
-    start = threading.Barrier(len(gens) + 1)
-    per: list[tuple[int, float]] = [(0, 0.0)] * len(gens)
+    start = threading.Barrier(len(calls) + 1)
+    out: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
 
-    def client(i: int) -> None:
+    def run(i: int) -> None:
         start.wait()
-        t0 = time.perf_counter()
         try:
-            out = gens[i].generate(torch.tensor([rows[i].input_ids]), generation_config=gc)
-            per[i] = (len(_until_eos(out[0, len(rows[i].input_ids) :].tolist(), m.eos_token_ids)),
-                      time.perf_counter() - t0)  # fmt: skip
+            out[i] = calls[i]()
         except BaseException as e:  # reported after the others finish
             errors.append(e)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(gens))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     start.wait()
@@ -395,7 +409,132 @@ def _clients_once(
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return wall, per
+    return wall, out
+
+
+def _timed_generate(gen: Any, input_ids: list[int], gc: Any, eos: list[int]) -> tuple[int, float]:
+    """One client's generation: ``(new tokens up to EOS, seconds)``."""
+    t0 = time.perf_counter()
+    out = gen.generate(torch.tensor([input_ids]), generation_config=gc)
+    return len(_until_eos(out[0, len(input_ids) :].tolist(), eos)), time.perf_counter() - t0
+
+
+class _Clients:
+    """N concurrent clients, each with its own generator over gRPC."""
+
+    def once(
+        self, rows: list[BenchPrompt], m: BenchModels, max_new: int
+    ) -> tuple[float, list[tuple[int, float]]]:
+        """Every client generates its row's prompt at once; ``(wall, [(tokens, seconds)] per client)``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ClientThreads(_Clients):
+    """Clients as threads of this process: they share its GIL (and with in-process workers, the
+    workers' too), so a client loop's per-round Python of N clients runs one at a time."""
+
+    def __init__(self, n: int, cfg: Any, tokenizer: Any):
+        from specsplit import SpecSplitGenerator
+
+        self.gens = [SpecSplitGenerator(tokenizer=tokenizer, config=copy.deepcopy(cfg)) for _ in range(n)]
+
+    def once(
+        self, rows: list[BenchPrompt], m: BenchModels, max_new: int
+    ) -> tuple[float, list[tuple[int, float]]]:
+        return _clients_once(self.gens, rows, m, max_new)
+
+    def close(self) -> None:
+        for g in self.gens:
+            g.close()
+
+
+class _ClientProcesses(_Clients):
+    """Clients as processes of their own (as separate programs would be), one generator each, started
+    with ``spawn`` and driven over pipes; a shared barrier starts their generations together."""
+
+    def __init__(self, n: int, cfg: Any):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.barrier = ctx.Barrier(n + 1)
+        self.pipes: list[Any] = []
+        self.procs: list[Any] = []
+        try:
+            for _ in range(n):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_client_process, args=(theirs, cfg, self.barrier), daemon=True)
+                proc.start()
+                self.pipes.append(mine)
+                self.procs.append(proc)
+            for pipe in self.pipes:  # each says it is ready (imports done, generator built)
+                _reply(pipe)
+        except BaseException:
+            self.close()
+            raise
+
+    def once(
+        self, rows: list[BenchPrompt], m: BenchModels, max_new: int
+    ) -> tuple[float, list[tuple[int, float]]]:
+        gc = m.generation_config(max_new)
+        for pipe, row in zip(self.pipes, rows, strict=True):
+            pipe.send(("run", row.input_ids, gc, m.eos_token_ids))
+        self.barrier.wait(timeout=600)
+        t0 = time.perf_counter()
+        per = [_reply(pipe) for pipe in self.pipes]
+        # a client may leave the barrier before this process is scheduled again
+        return max(time.perf_counter() - t0, *(sec for _, sec in per)), per
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("close",))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _reply(pipe: Any) -> Any:
+    """A client process's answer; its error raised here."""
+    if not pipe.poll(900):
+        raise TimeoutError("a client process did not answer within 900 s")
+    kind, value = pipe.recv()
+    if kind == "error":
+        raise RuntimeError(f"a client process failed: {value}")
+    return value
+
+
+def _client_process(pipe: Any, cfg: Any, barrier: Any) -> None:
+    """A client process: one generator; ``run`` waits at the barrier, generates and answers."""
+    import traceback
+
+    from specsplit import SpecSplitGenerator
+
+    torch.set_num_threads(1)  # its host work is small; N clients must not each spawn a thread per core
+    gen = None
+    try:
+        gen = SpecSplitGenerator(config=cfg)
+        pipe.send(("ok", None))
+        while True:
+            msg = pipe.recv()
+            if msg[0] != "run":
+                break
+            _, input_ids, gc, eos = msg
+            barrier.wait(timeout=600)
+            try:
+                pipe.send(("ok", _timed_generate(gen, input_ids, gc, eos)))
+            except Exception:
+                pipe.send(("error", traceback.format_exc(limit=8)))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        if gen is not None:
+            gen.close()
 
 
 def _cell(

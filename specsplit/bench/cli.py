@@ -151,6 +151,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         f"Generate call each) against one batching target worker in this process; decoders {','.join(CLIENT_DECODERS)} "
         f"(default), {CLIENT_LOOP_DECODER} (client loop with a draft worker: loads the draft model)",
     )
+    p.add_argument(
+        "--client-processes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--concurrent-clients: each client a process of its own, as separate programs would be "
+        "(default: when --grpc-workers is process); threads share the bench's GIL, so N client loops' "
+        "per-round Python runs one at a time",
+    )
     add_tuning_flags(p, pipeline=True)
     _set_help(
         p,
@@ -349,10 +357,13 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
             if value not in (None, ""):
                 parts += [flag, str(value)]
         parts += [f for f, on in (("--cuda-graphs", args.cuda_graphs), ("--compile", args.compile)) if on]
+        if clients and args.client_processes is not None:
+            parts.append("--client-processes" if args.client_processes else "--no-client-processes")
         opts = BatchBenchOptions(
             batch_sizes=sizes,
             clients=clients,
             workers=args.grpc_workers,
+            client_processes=args.client_processes,
             device=device,
             target=args.target,
             dtype=args.dtype or "auto",

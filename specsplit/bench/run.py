@@ -295,6 +295,18 @@ def _measure(
     return records
 
 
+def pack_copies(pack_weights: bool | None, compile: bool, decoders: Any) -> bool:
+    """Whether the SpecSplit decoders run packed-weight copies: unless ``--no-pack-weights``, and not
+    when any of them compiles (torch.compile cannot lower packed weights; they all share the copies)."""
+    compiles = compile or any(str(d).endswith("-compiled") for d in decoders)
+    if pack_weights and compiles:
+        raise ValueError("--pack-weights and compiled decoders exclude each other: torch.compile cannot "
+                         "lower packed oneDNN weights")  # fmt: skip
+    if compiles and pack_weights is None:
+        logger.info("compiled decoders: the weights stay unpacked (torch.compile packs what it compiles)")
+    return pack_weights is not False and not compiles
+
+
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the suite and write ``<out>/<machine>-<date>[...].{json,md,png}``.
 
@@ -350,7 +362,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
     if opts.fuse_projections:
         logger.info("fused the projections of %d modules in the SpecSplit decoders' copies",
                     models.use_fused_projections())  # fmt: skip
-    elif opts.pack_weights is not False and models.use_packed_weights():
+    elif pack_copies(opts.pack_weights, opts.compile, opts.decoders) and models.use_packed_weights():
         logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
     devices = [models.device, models.draft_device] + (
         [models.overlap_draft_device] if models.overlap_draft_device else []

@@ -265,7 +265,7 @@ def _load(args: argparse.Namespace, cfg: Any) -> torch.nn.Module:
 
     device = args.device or str(default_device())
     model = load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
-    if cfg.pack_weights is None and not cfg.fuse_projections:
+    if cfg.pack_weights is None and not cfg.fuse_projections and not cfg.compile:
         cfg.pack_weights = packable(model)
     return model
 

@@ -83,7 +83,8 @@ class EngineBase(Generic[S]):
             fold_gqa=config.tuning.fold_gqa,
             attention_kernel=resolved_attention_kernel(config.tuning.attention_kernel, config.cuda_graphs),
             fuse_projections=config.fuse_projections,
-            pack_weights=config.pack_weights,
+            # torch.compile cannot lower packed weights: compiled engines keep theirs unpacked
+            pack_weights=False if config.compile and config.pack_weights is None else config.pack_weights,
         )
         self._store: SessionStore[S] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=self._on_evict, name=f"{self.role}-sessions"

@@ -20,6 +20,7 @@ same for the draft side of those sessions.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -29,13 +30,18 @@ import torch
 from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
 from specsplit.engines.base import desync_error
-from specsplit.engines.batched import BatchedTarget, ChainRow, RoundDriver, RowOutcome, RowTree
+from specsplit.engines.batched import BatchedTarget, ChainRow, RowOutcome, RowTree
 from specsplit.errors import InvalidRequest, ResourceExhausted
 from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerStats
 
 R = TypeVar("R")
 
 GATHER_S = 0.002  # how long a round waits for the other live sessions' requests
+# How long, in rounds of this pool, a round may wait for sessions expected back soon (see
+# _SessionSlots._gathered).
+EXPECT_ROUNDS = 1.5
+_WAKE_S = 0.05  # longest a waiting request sleeps before it checks the driver lock again
+THINK_WEIGHT = 0.3  # weight of the newest gap in a session's running average of its think time
 # Most tree nodes a batched session's request may carry. Every live session rides in every round
 # (inert or not), writing up to this + 1 positions past its committed length, so a session keeps
 # that much of its slot free.
@@ -50,6 +56,8 @@ class _Session:
     slot: int
     length: int = 0  # positions of the slot that hold committed KV
     used: float = field(default_factory=time.monotonic)
+    replied: float | None = None  # when its last call's result was ready
+    think: float | None = None  # running average of the time from a result to its next request
 
 
 @dataclass
@@ -60,6 +68,8 @@ class _Pending(Generic[R]):
     result: R | None = None
     error: BaseException | None = None
     done: bool = False
+    # set when the call ran (done) or when this request is handed the next call to drive
+    wake: threading.Event = field(default_factory=threading.Event)
 
 
 class _SessionSlots(Generic[R]):
@@ -75,9 +85,12 @@ class _SessionSlots(Generic[R]):
         self._sessions: dict[str, _Session] = {}
         self._order: list[_Session] = []  # by slot
         self._queue: list[_Pending[R]] = []
-        self._driver = RoundDriver()
-        self._cv = self._driver.cv
+        # The driver lock: one shared call (or a placement, a prefill) at a time. Whoever waits
+        # for a result and finds it free runs the next call for everybody.
+        self._drive = threading.Lock()
+        self._cv = threading.Condition()  # the sessions and the queue; the gathering driver waits on it
         self.rounds = 0
+        self._run_s: float | None = None  # running average of a shared call's time
 
     def holds(self, key: str) -> bool:
         with self._cv:
@@ -102,7 +115,7 @@ class _SessionSlots(Generic[R]):
 
     def end(self, key: str) -> bool:
         """Free a session's slot (the last live session moves into it); False when not here."""
-        with self._driver.lock, self._cv:
+        with self._drive, self._cv:
             return self._drop(key)
 
     def _drop(self, key: str) -> bool:
@@ -140,14 +153,30 @@ class _SessionSlots(Generic[R]):
         if expected == 0:
             if key not in self._sessions and not self._room():
                 return None
-            s = self._place(key)
-        else:
+            return self._checked(self._place(key), expected, side, new_tokens)
+        got = self._sessions.get(key)
+        if got is None:
+            raise InvalidRequest(f"session {key!r} is not served in batched rounds")
+        return self._checked(got, expected, side, new_tokens)
+
+    def _held(self, key: str, expected: int, side: str, new_tokens: int) -> _Session | None:
+        """The session of a request that needs no placement and writes nothing before its call
+        (None otherwise: the caller takes the driver lock and :meth:`_session_for`).
+
+        This is every round of a running session, so it must not wait for the driver lock: a
+        round's driver holds that lock while it gathers, and a request that waited for it could
+        only join the round after."""
+        if expected == 0:
+            return None
+        with self._cv:
             got = self._sessions.get(key)
-            if got is None:
-                raise InvalidRequest(f"session {key!r} is not served in batched rounds")
-            s = got
-            if s.length != expected:
-                raise desync_error(side, key, s.length, expected)
+            return None if got is None else self._checked(got, expected, side, new_tokens)
+
+    def _checked(self, s: _Session, expected: int, side: str, new_tokens: int) -> _Session:
+        """``s`` after checking it holds ``expected`` tokens and has room for ``new_tokens`` more and
+        any call's writes. Its own request is the one being admitted, so no round changes it now."""
+        if s.length != expected:
+            raise desync_error(side, s.key, s.length, expected)
         end = s.length + new_tokens + self.reserve
         if end > self.target.capacity:
             raise ResourceExhausted(f"session would need {end} positions; a batched slot holds "
@@ -156,27 +185,74 @@ class _SessionSlots(Generic[R]):
         return s
 
     def _submit(self, pend: _Pending[R]) -> R:
-        """Queue ``pend`` and drive or wait until its call ran; its result."""
+        """Queue ``pend`` and drive or wait until its call ran; its result.
+
+        A waiting request sleeps on its own event: set when its call ran, or when the driver of
+        the last call hands it the next one. Only the gathering driver is woken by new requests,
+        so a round of N sessions costs O(N) wake-ups, not a wake-up of every waiter per arrival."""
         with self._cv:
+            s = pend.session
+            if s.replied is not None:
+                gap = time.monotonic() - s.replied
+                s.think = gap if s.think is None else s.think + THINK_WEIGHT * (gap - s.think)
             self._queue.append(pend)
-            self._cv.notify_all()
+            self._cv.notify()
         while not pend.done:
-            self._driver.turn(lambda: pend.done, self._gathered)
+            if self._drive.acquire(blocking=False):
+                try:
+                    if not pend.done:
+                        self._gathered()
+                finally:
+                    self._drive.release()
+                    self._hand_over()
+            else:
+                pend.wake.wait(_WAKE_S)
+                pend.wake.clear()
         if pend.error is not None:
             raise pend.error
         assert pend.result is not None
         return pend.result
 
-    def _gathered(self) -> None:
-        """One gathered call (driver lock held): wait a little for the other live sessions, then
-        run every queued request in one call."""
+    def _hand_over(self) -> None:
+        """The driver lock was released: the oldest queued request drives the next call."""
         with self._cv:
-            deadline = time.monotonic() + self.gather_s
-            while len(self._queue) < len(self._order) and time.monotonic() < deadline:
-                self._cv.wait(max(0.0, deadline - time.monotonic()))
+            nxt = self._queue[0] if self._queue else None
+        if nxt is not None:
+            nxt.wake.set()
+
+    def _gathered(self) -> None:
+        """One gathered call (driver lock held): wait for the other live sessions, then run every
+        queued request in one call.
+
+        The wait is bounded. It lasts ``gather_s``, or longer for sessions expected back soon: a
+        session's think time (from a result to its next request: its round on the other worker,
+        the client, the network) predicts when it returns, and the round waits for those due within
+        :data:`EXPECT_ROUNDS` of its own call time. A call costs about the same for one row as for
+        all, so a session that just missed a round is better served by the next one with everybody
+        than by a round of its own: clients of the two-worker loop stay in one convoy instead of
+        splitting into groups that each pay a full round on both workers."""
+        with self._cv:
+            start = time.monotonic()
+            cap = start + max(self.gather_s, EXPECT_ROUNDS * (self._run_s or 0.0))
+            while True:
+                now = time.monotonic()
+                queued = {id(p.session) for p in self._queue}
+                if len(queued) >= len(self._order):
+                    break
+                due = [
+                    s.replied + s.think
+                    for s in self._order
+                    if id(s) not in queued and s.replied is not None and s.think is not None
+                ]
+                soon = [d for d in due if now <= d <= cap]
+                deadline = max(start + self.gather_s, max(soon, default=0.0))
+                if now >= deadline:
+                    break
+                self._cv.wait(deadline - now)
             batch, self._queue = self._queue, []
         if not batch:
             return
+        t0 = time.monotonic()
         try:
             with self.target.lock:
                 results = self._run(batch)
@@ -184,10 +260,16 @@ class _SessionSlots(Generic[R]):
             with self._cv:
                 for p in batch:
                     p.error, p.done = e, True
+                    p.wake.set()
             raise
         with self._cv:
+            now = time.monotonic()
+            took = now - t0
+            self._run_s = took if self._run_s is None else self._run_s + THINK_WEIGHT * (took - self._run_s)
             for p, r in zip(batch, results, strict=True):
                 p.result, p.done = r, True
+                p.session.replied = now
+                p.wake.set()
             self.rounds += 1
 
     def _run(self, batch: list[_Pending[R]]) -> list[R]:
@@ -263,13 +345,15 @@ class SessionBatcher(_SessionSlots[RowOutcome]):
         _check_ids(pending, self.vocab_size, "pending_token_ids")
         tree.validate(self.vocab_size, min(self.max_tree_nodes, MAX_NODES), self.max_tree_depth)
         tokens, parents, depths = tree.token_ids.tolist(), tree.parents.tolist(), tree.depths.tolist()
-        with self._driver.lock:  # placement and prefill never run beside a round
-            s = self._session_for(req.session_id, req.expected_prefix_length, "target", len(pending))
-            if s is None:
-                return None
-            if len(pending) > 1:
-                self.target.extend(s.slot, s.length, pending[:-1])
-                s.length += len(pending) - 1
+        s = self._held(req.session_id, req.expected_prefix_length, "target", 1) if len(pending) == 1 else None
+        if s is None:
+            with self._drive:  # placement and prefill never run beside a round
+                s = self._session_for(req.session_id, req.expected_prefix_length, "target", len(pending))
+                if s is None:
+                    return None
+                if len(pending) > 1:
+                    self.target.extend(s.slot, s.length, pending[:-1])
+                    s.length += len(pending) - 1
         return RowTree(s.length, pending[-1], tokens, parents, depths), max(depths, default=0)
 
     def _run(self, batch: list[_Pending[RowOutcome]]) -> list[RowOutcome]:
@@ -363,14 +447,20 @@ class DraftBatcher(_SessionSlots[list[int]]):
             if req.max_depth is None
             else min(req.tree.num_draft_tokens, req.max_depth)
         )
-        with self._driver.lock:  # placement and prefill never run beside a call
-            s = self._session_for(req.session_id, req.prefix_length, "draft", len(new))
-            if s is None:
-                return None
-            ingest = new[-MAX_INGEST:]
-            if len(new) > len(ingest):  # a long context (a new session's prompt): written on its own
-                self.target.extend(s.slot, s.length, new[: -len(ingest)])
-                s.length += len(new) - len(ingest)
+        ingest = new[-MAX_INGEST:]
+        s = (
+            self._held(req.session_id, req.prefix_length, "draft", len(new))
+            if len(new) == len(ingest)
+            else None
+        )
+        if s is None:
+            with self._drive:  # placement and prefill never run beside a call
+                s = self._session_for(req.session_id, req.prefix_length, "draft", len(new))
+                if s is None:
+                    return None
+                if len(new) > len(ingest):  # a long context (a new session's prompt): written on its own
+                    self.target.extend(s.slot, s.length, new[: -len(ingest)])
+                    s.length += len(new) - len(ingest)
         pend = _Pending[list[int]](s, ChainRow(s.length, ingest), max(k, 1))
         drafted = self._submit(pend)[:k] if k > 0 else []
         n = len(drafted)
