@@ -2,8 +2,9 @@
 """The README's main job against Hugging Face ``generate()``, side by side in one process.
 
 The main job is ``specsplit generate "Write a quicksort in Python"``: the default target
-(Qwen2.5-Coder 1.5B, fetched offline), the default drafter, the chat template, greedy, 128 new
-tokens and the model's own generation settings (its repetition penalty). This runs exactly that
+(Qwen2.5-Coder 1.5B, fetched offline), the default drafter (``auto``, with the default 0.5B draft
+model), the chat template, greedy, 128 new tokens and the model's own generation settings (its
+repetition penalty). This runs exactly that
 through :meth:`SpecSplitGenerator.from_pretrained` and ``generate_text``'s tokenization, and HF
 ``generate()`` of the same ids with the same settings on an unmodified copy of the model, alternating
 the two; every output must equal HF's. Earlier generations are forgotten before each SpecSplit run
@@ -11,6 +12,7 @@ the two; every output must equal HF's. Earlier generations are forgotten before 
 
     python benchmarks/main_job.py --repeats 2 --threads 2 --tag cpu-2core
         # writes benchmarks/results/main_job-<tag>.{json,md}
+    python benchmarks/main_job.py --repeats 2 --threads 2 --drafter suffix --tag cpu-2core-suffix
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="another drafter than `specsplit generate`'s default; the default draft model is loaded "
+        "when it drafts with a model (model, hybrid, auto), as the command does",
+    )
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
@@ -44,14 +52,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from specsplit import SpecSplitConfig, SpecSplitGenerator
     from specsplit.generator import DEFAULT_DRAFTER
-    from specsplit.models import DEFAULT_TARGET, load_model
+    from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
     from specsplit.runtime.runner import resolve_dtype
 
     t0 = time.perf_counter()
     cfg = SpecSplitConfig.from_env()
-    cfg.drafter = DEFAULT_DRAFTER
-    cfg.target.device = args.device
-    gen = SpecSplitGenerator.from_pretrained(target=DEFAULT_TARGET, config=cfg)
+    drafter = args.drafter or DEFAULT_DRAFTER
+    cfg.drafter = drafter
+    cfg.target.device = cfg.draft.device = args.device
+    draft = DEFAULT_DRAFT if drafter in ("model", "hybrid", "auto") else None  # as the command decides
+    gen = SpecSplitGenerator.from_pretrained(target=DEFAULT_TARGET, draft=draft, config=cfg)
     load_specsplit = time.perf_counter() - t0
     t0 = time.perf_counter()
     hf = load_model(DEFAULT_TARGET, dtype=resolve_dtype("auto", args.device), device=args.device)
@@ -98,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
         },
         "target": DEFAULT_TARGET,
-        "drafter": DEFAULT_DRAFTER,
+        "drafter": drafter,
+        "draft": draft,
         "dtype": str(next(hf.parameters()).dtype),
         "repetition_penalty": getattr(hf.generation_config, "repetition_penalty", None),
         "prompt_tokens": ids.shape[1],
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         f"`{result['command'].strip()}` — {result['created_utc']}, {platform.platform()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}",
         "",
-        f"Target `{DEFAULT_TARGET}` ({result['dtype']}), drafter `{DEFAULT_DRAFTER}`, chat template, greedy, "
+        f"Target `{DEFAULT_TARGET}` ({result['dtype']}), draft `{draft}`, drafter `{drafter}`, chat template, greedy, "
         f"repetition penalty {result['repetition_penalty']} (the model's), {args.max_new_tokens} new tokens, "
         f"median of {args.repeats} after a warm-up each.",
         "",

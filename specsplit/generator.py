@@ -36,10 +36,8 @@ from specsplit.transport import Transport
 logger = logging.getLogger(__name__)
 
 # What from_pretrained() and `specsplit generate` draft with unless told otherwise: the fastest lossless
-# mode measured on CPU and GPU (benchmarks/RESULTS.md, "Drafters"), which needs no draft model. Given
-# a draft model they default to "auto", which uses it in the rounds where it pays.
-DEFAULT_DRAFTER: Drafter = "suffix"
-DEFAULT_DRAFTER_WITH_DRAFT: Drafter = "auto"
+# mode measured on CPU and GPU (benchmarks/RESULTS.md, "Drafters").
+DEFAULT_DRAFTER: Drafter = "auto"
 DRAFTER_ENV = "SPECSPLIT_DRAFTER"
 
 # GenerationConfig fields that change the output and that SpecSplit refuses (beam search and the
@@ -237,10 +235,8 @@ class SpecSplitGenerator:
     ) -> SpecSplitGenerator:
         """Load from aliases (``qwen2.5-coder-1.5b``), local directories or HF ids.
 
-        Without a ``config`` (and without ``SPECSPLIT_DRAFTER``) the drafter is ``"suffix"``: n-gram
-        trees from the prompt, the output and this generator's earlier generations, plain steps where
-        they do not pay (the fastest mode measured with the default pair); with a ``draft`` it is
-        ``"auto"``, which also drafts with that model where it pays.
+        Without a ``config`` (and without ``SPECSPLIT_DRAFTER``) the drafter is ``"auto"``: n-gram
+        trees where the text repeats, the draft model's tree where it pays, plain steps otherwise.
 
         In gRPC mode no weights are loaded; ``tokenizer`` (or ``target``) only names the tokenizer.
         """
@@ -248,7 +244,7 @@ class SpecSplitGenerator:
 
         cfg = copy.deepcopy(config) if config is not None else SpecSplitConfig.from_env()
         if config is None and DRAFTER_ENV not in os.environ:
-            cfg.drafter = DEFAULT_DRAFTER_WITH_DRAFT if draft else DEFAULT_DRAFTER
+            cfg.drafter = DEFAULT_DRAFTER
         tok_src = tokenizer if tokenizer is not None else target
         tok = load_tokenizer(tok_src) if isinstance(tok_src, str) else tok_src
         if cfg.transport == "grpc":

@@ -35,25 +35,6 @@ def test_generate_cli_json(model_dirs, llama_target, capsys):
     assert out["stats"]["new_tokens"] == 12 and out["stats"]["rounds"] >= 1
 
 
-def test_generate_cli_defaults_to_suffix_trees_without_a_draft_model(model_dirs, llama_target, capsys):
-    """No --draft, no --drafter: the n-gram/suffix drafter, no draft model loaded; with --draft,
-    the auto drafter (which may use it). Output equal to HF greedy either way."""
-    prompt_ids = [5, 17, 33, 81, 5, 17, 33]
-    prompt = " ".join(word(i) for i in prompt_ids)
-    ref = llama_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, 7:]
-    base = ["generate", prompt, "--target", str(model_dirs / "target"), "--raw", "--max-new-tokens", "16",
-            "--json", "--device", "cpu"]  # fmt: skip
-    for extra, drafters in (([], {"ngram", "none"}), (["--draft", str(model_dirs / "draft")], None)):
-        assert main(base + extra) == 0
-        out = json.loads(capsys.readouterr().out)
-        assert out["text"] == word_tokenizer().decode(ref.tolist(), skip_special_tokens=True)
-        used = set(out["stats"]["rounds_by_drafter"])
-        if drafters is not None:
-            assert used <= drafters
-        else:
-            assert "model" in used  # auto probes the draft model it was given
-
-
 def test_generate_cli_reports_errors(model_dirs, capsys):
     rc = main(
         [

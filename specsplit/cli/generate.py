@@ -30,8 +30,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_drafter_flag(
         p,
         "what drafts each round: the draft model, n-gram lookup in the prompt and output (ngram; "
-        "suffix, the default: also earlier generations), both in one tree (hybrid), or a measured "
-        "choice per round (auto, the default with --draft: n-gram trees, and the draft model where it pays)",
+        "suffix: also earlier generations), both in one tree (hybrid), or a measured choice per round "
+        "(auto, the default: n-gram trees, and the --draft model where it pays)",
     )
     p.add_argument(
         "--tree", choices=["chain", "static", "dynamic"], default=None, help="shape of the draft tree"
@@ -73,12 +73,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specsplit.config import SpecSplitConfig
     from specsplit.errors import ConfigError
-    from specsplit.generator import (
-        DEFAULT_DRAFTER,
-        DEFAULT_DRAFTER_WITH_DRAFT,
-        DRAFTER_ENV,
-        SpecSplitGenerator,
-    )
+    from specsplit.generator import DEFAULT_DRAFTER, DRAFTER_ENV, SpecSplitGenerator
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
@@ -87,7 +82,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     elif args.overlap:  # the overlapped pipeline drafts with the model
         cfg.drafter = "model"
     elif not args.config and DRAFTER_ENV not in os.environ:
-        cfg.drafter = DEFAULT_DRAFTER_WITH_DRAFT if args.draft else DEFAULT_DRAFTER
+        cfg.drafter = DEFAULT_DRAFTER
     if args.tree:
         cfg.tree.shape = args.tree
     if args.num_draft_tokens is not None:
