@@ -551,6 +551,7 @@ def test_running_sessions_join_a_round_that_is_gathering(llama_target):
         DraftBatcher,
         SessionBatcher,
     )
+    from specsplit.errors import CacheDesyncError
     from specsplit.messages import DraftRequest, VerifyRequest
 
     runner = ModelRunner(llama_target, None, "cpu", None, "float32")
@@ -562,6 +563,8 @@ def test_running_sessions_join_a_round_that_is_gathering(llama_target):
         sb, {k: (lambda k=k: sb.verify(VerifyRequest(k, empty, prompts[k], 0))) for k in keys}
     )
     rounds = sb.rounds
+    with pytest.raises(CacheDesyncError):  # refused before it is queued, nothing changed
+        sb.verify(VerifyRequest("a", empty, [first["a"].next_token_id], 7))
     got, took = _concurrently(
         {k: (lambda k=k: sb.verify(VerifyRequest(k, empty, [first[k].next_token_id], 8))) for k in keys}
     )
@@ -576,6 +579,8 @@ def test_running_sessions_join_a_round_that_is_gathering(llama_target):
     )
     rounds = db.rounds
     truth = {k: _alone(llama_target, prompts[k], 5) for k in keys}
+    with pytest.raises(CacheDesyncError):
+        db.draft(DraftRequest("a", truth["a"][:3], 9, chain2))
     got, took = _concurrently(
         {k: (lambda k=k: db.draft(DraftRequest(k, truth[k][:3], 8, chain2))) for k in keys}
     )

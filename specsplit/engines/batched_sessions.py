@@ -85,6 +85,7 @@ class _SessionSlots(Generic[R]):
         self._sessions: dict[str, _Session] = {}
         self._order: list[_Session] = []  # by slot
         self._queue: list[_Pending[R]] = []
+        self._queued: set[int] = set()  # id() of the sessions with a request in the queue
         # The driver lock: one shared call (or a placement, a prefill) at a time. Whoever waits
         # for a result and finds it free runs the next call for everybody.
         self._drive = threading.Lock()
@@ -196,6 +197,7 @@ class _SessionSlots(Generic[R]):
                 gap = time.monotonic() - s.replied
                 s.think = gap if s.think is None else s.think + THINK_WEIGHT * (gap - s.think)
             self._queue.append(pend)
+            self._queued.add(id(s))
             self._cv.notify()
         while not pend.done:
             if self._drive.acquire(blocking=False):
@@ -234,11 +236,9 @@ class _SessionSlots(Generic[R]):
         with self._cv:
             start = time.monotonic()
             cap = start + max(self.gather_s, EXPECT_ROUNDS * (self._run_s or 0.0))
-            while True:
+            queued = self._queued
+            while len(queued) < len(self._order):
                 now = time.monotonic()
-                queued = {id(p.session) for p in self._queue}
-                if len(queued) >= len(self._order):
-                    break
                 due = [
                     s.replied + s.think
                     for s in self._order
@@ -250,6 +250,7 @@ class _SessionSlots(Generic[R]):
                     break
                 self._cv.wait(deadline - now)
             batch, self._queue = self._queue, []
+            queued.clear()
         if not batch:
             return
         t0 = time.monotonic()
