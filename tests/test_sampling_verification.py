@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -20,7 +22,7 @@ from specsplit.core.sampling import (
     sample_without_replacement,
     truncate_top_k,
 )
-from specsplit.core.verification import children_table, verify_greedy, verify_stochastic
+from specsplit.core.verification import _follow_path, children_table, verify_greedy, verify_stochastic
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
@@ -180,3 +182,26 @@ def test_fused_top_k_top_p_processor_equals_hf_and_flags_ties():
     ties[:, :3] = torch.tensor([2.0, 1.0, 0.5])
     fused(None, ties.clone())
     assert fused.overflow is not None and fused.overflow.item() == 1
+
+
+def test_follow_path_walks_the_accepted_children_at_any_depth_bound():
+    """The pointer-doubling walk equals a level-by-level walk, for depth bounds below, at and past
+    the accepted path's length (padded n-gram trees are verified with bounds up to their size)."""
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(0, 40)
+        parents = [-1 if i == 0 or rng.random() < 0.3 else rng.randrange(i) for i in range(n)]
+        accepted_child = [-1] * (n + 1)
+        for row in range(n + 1):
+            kids = [i for i in range(n) if parents[i] + 1 == row]
+            if kids and rng.random() < 0.7:
+                accepted_child[row] = rng.choice(kids)
+        depth = rng.randint(0, 45)
+        want, row, count = [-1] * depth, 0, 0
+        for d in range(depth):
+            child = accepted_child[row]
+            if child >= 0:
+                want[d], count, row = child, count + 1, child + 1
+        path, num, last = _follow_path(torch.tensor(accepted_child, dtype=torch.long), depth)
+        assert path.tolist() == want and int(num) == count and int(last) == row
+        assert path.dtype == num.dtype == last.dtype == torch.long and num.dim() == last.dim() == 0

@@ -155,10 +155,16 @@ class TokenTree:
                 t = pin(t)
             return t.to(dev, non_blocking=True)
 
+        ids = (self.token_ids, self.parents, self.depths)
+        if dev.type == "cuda" and all(t.device.type == "cpu" and t.dtype == torch.long for t in ids):
+            # One staging copy for the three id rows (a host-built tree, e.g. an n-gram proposal).
+            token_ids, parents, depths = mv(torch.stack(ids)).unbind(0)  # type: ignore[union-attr]
+        else:
+            token_ids, parents, depths = (mv(t) for t in ids)  # type: ignore[misc]
         return TokenTree(
-            mv(self.token_ids),  # type: ignore[arg-type]
-            mv(self.parents),  # type: ignore[arg-type]
-            mv(self.depths),  # type: ignore[arg-type]
+            token_ids,  # type: ignore[arg-type]
+            parents,  # type: ignore[arg-type]
+            depths,  # type: ignore[arg-type]
             mv(self.log_probs),  # type: ignore[arg-type]
             mv(self.q_ids),
             mv(self.q_probs),

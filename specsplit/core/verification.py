@@ -94,20 +94,30 @@ def _follow_path(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk ``accepted_child`` (`[N + 1]` node index or -1) from row 0.
 
+    By pointer doubling: ``ceil(log2(max_depth + 1))`` steps of a few device ops each, not a few
+    ops per level (a padded n-gram tree may be 16 or more levels deep, and each op outside a
+    captured graph is a kernel launch from the host). No host sync.
+
     Returns ``(path [D], num_accepted [], last_row [])``.
     """
     dev = accepted_child.device
-    path = torch.full((max(max_depth, 0),), -1, dtype=torch.long, device=dev)
-    row = torch.zeros((), dtype=torch.long, device=dev)
-    count = torch.zeros((), dtype=torch.long, device=dev)
-    for d in range(max_depth):
-        # index_select keeps the row on device (indexing with a 0-d tensor would read it back)
-        child = accepted_child.index_select(0, row.view(1)).view(())
-        ok = child >= 0
-        path[d] = torch.where(ok, child, path[d])
-        count = count + ok.long()
-        row = torch.where(ok, child + 1, row)
-    return path, count, row
+    d = max(max_depth, 0)
+    if d == 0:  # nothing drafted (a plain step): row 0 itself
+        zeros = torch.zeros(2, dtype=torch.long, device=dev)
+        return torch.empty(0, dtype=torch.long, device=dev), zeros[0], zeros[1]
+    rows = torch.arange(accepted_child.shape[0], device=dev)
+    # The row after each row on its accepted path; a row without an accepted child points to itself.
+    jump = torch.where(accepted_child >= 0, accepted_child + 1, rows)
+    walk = rows[:1]  # rows reached from row 0 after 0, 1, 2, ... steps
+    while walk.shape[0] < d + 1:  # walk doubles: steps [0, 2^k) -> [0, 2^(k+1)); jump: 2^k steps
+        walk = torch.cat([walk, jump.index_select(0, walk)])
+        if walk.shape[0] < d + 1:
+            jump = jump.index_select(0, jump)
+    walk = walk[: d + 1]
+    # Rows grow along a path (a child's index exceeds its parent's), so a step moved iff the row changed.
+    moved = walk[1:] != walk[:-1]
+    path = torch.where(moved, walk[1:] - 1, -1)
+    return path, moved.sum(), walk[d]
 
 
 def verify_greedy(

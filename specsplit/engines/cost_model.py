@@ -95,12 +95,15 @@ class _Estimate:
         # A size whose first round may have stalled needs a second sample before it is believed.
         self._needed = 2 if skip_first else 1
         self.samples: deque[float] = deque(maxlen=_WINDOW)
+        self._value: float | None = None
 
     def add(self, seconds: float) -> None:
         if self._skip:
             self._skip = False
             return
         self.samples.append(seconds)
+        n = len(self.samples)
+        self._value = min(self.samples) if n <= 2 else statistics.median(self.samples)
 
     @property
     def trusted(self) -> bool:
@@ -109,11 +112,7 @@ class _Estimate:
 
     @property
     def value(self) -> float | None:
-        if not self.samples:
-            return None
-        if len(self.samples) <= 2:
-            return min(self.samples)
-        return statistics.median(self.samples)
+        return self._value
 
 
 class RoundCosts:
@@ -128,9 +127,11 @@ class RoundCosts:
     def __init__(self, skip_first: bool = True) -> None:
         self.sizes: dict[int, _Estimate] = {}
         self._skip_first = skip_first
+        self._table: tuple[list[int], dict[int, float]] | None = None  # what interpolation reads
 
     def add(self, n: int, seconds: float) -> None:
         self.sizes.setdefault(n, _Estimate(skip_first=self._skip_first)).add(seconds)
+        self._table = None
 
     def trusted(self, n: int) -> bool:
         """Size ``n`` has enough samples of its own that one stall is not its estimate."""
@@ -145,11 +146,13 @@ class RoundCosts:
         est = self.sizes.get(n)
         if est is not None and est.trusted:
             return est.value
-        known = {m: e.value for m, e in self.sizes.items() if e.trusted}
-        if not known:  # nothing trusted yet: any sample beats no estimate
-            known = {m: e.value for m, e in self.sizes.items() if e.value is not None}
-        mean: dict[int, float] = {m: v for m, v in known.items() if v is not None}
-        xs = sorted(mean)
+        if self._table is None:  # rebuilt once per new sample, not once per size a plan prices
+            known = {m: e.value for m, e in self.sizes.items() if e.trusted}
+            if not known:  # nothing trusted yet: any sample beats no estimate
+                known = {m: e.value for m, e in self.sizes.items() if e.value is not None}
+            table = {m: v for m, v in known.items() if v is not None}
+            self._table = (sorted(table), table)
+        xs, mean = self._table
         if not xs:
             return None
         i = bisect.bisect_left(xs, n)
@@ -263,8 +266,9 @@ class CostModel:
     def expected_curve(self, scores: Sequence[float]) -> list[float]:
         """``curve[k]``: calibrated expected tokens of a round verifying the ``k`` best-scored nodes."""
         out = [1.0]
+        p = self.cal.p
         for s in sorted(scores, reverse=True):
-            out.append(out[-1] + self.cal.p(s))
+            out.append(out[-1] + p(s))
         return out
 
     def plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
