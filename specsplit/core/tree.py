@@ -156,7 +156,8 @@ class TokenTree:
             return t.to(dev, non_blocking=True)
 
         ids = (self.token_ids, self.parents, self.depths)
-        if dev.type == "cuda" and all(t.device.type == "cpu" and t.dtype == torch.long for t in ids):
+        same = all(t.device.type == "cpu" and t.dtype == torch.long and t.shape == ids[0].shape for t in ids)
+        if dev.type == "cuda" and same:
             # One staging copy for the three id rows (a host-built tree, e.g. an n-gram proposal).
             token_ids, parents, depths = mv(torch.stack(ids)).unbind(0)  # type: ignore[union-attr]
         else:

@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Where a tree round's extra GPU time goes: kernels of a plain step against a tree round.
+
+A target engine on the CUDA-graph path (the bench's settings: graphs, fused projections, greedy
+one-graph rounds) verifies, on one session, an empty tree (a plain step) and padded n-gram-shaped
+trees of a few sizes; each kind is timed (wall clock over many synchronised rounds) and then profiled, and the
+GPU time of each kernel name a round is listed side by side, largest growth first. The weights are
+random with the Qwen2.5-Coder-1.5B shapes (no download or staging; acceptance does not matter for
+the kernels a round runs). ``--eager-ops`` runs the same rounds on the static path without
+capture and lists the GPU time by operator instead (a replayed graph's kernels carry no operator).
+
+    python benchmarks/round_kernels.py --device cuda:0 [--sizes 4,16,32] [--compile] [--eager-ops] [--tag h200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).resolve().parent / "results"
+QWEN_1_5B = dict(  # noqa: C408
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def _tree(size: int, device: torch.device):
+    """A padded n-gram-shaped tree: a chain of ``size // 2`` and a second branch, as the drafters pad."""
+    from specsplit.core.tree import TokenTree
+
+    chain = max(size // 2, 1)
+    parents = [-1] + list(range(chain - 1)) + [-1] * (size - chain)
+    depths = list(range(1, chain + 1)) + [1] * (size - chain)
+    tree = TokenTree(
+        torch.randint(10, 1000, (size,)),
+        torch.tensor(parents),
+        torch.tensor(depths),
+        torch.zeros(size),
+    )
+    tree.max_branch, tree.depth_bound = size, size  # the bounds padded n-gram trees carry
+    return tree.to(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--sizes", default="4,16,32")
+    p.add_argument("--context", type=int, default=256, help="tokens cached before the timed rounds")
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--eager-ops", action="store_true", help="no capture; GPU time by operator")
+    p.add_argument("--tag", default="")
+    a = p.parse_args(argv)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specsplit.config import TargetConfig
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.target import TargetEngine
+    from specsplit.messages import VerifyRequest
+
+    dev = torch.device(a.device)
+    torch.manual_seed(0)
+    with dev:
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16).eval()
+    cfg = TargetConfig(cuda_graphs=dev.type == "cuda", compile=a.compile, fuse_projections=True)
+    eng = TargetEngine(model, cfg)
+    if a.eager_ops:
+        eng._workspace.static.use_graphs = False  # the same static-shape rounds, run op by op
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sizes = [0] + [int(s) for s in a.sizes.split(",")]
+    state = {"prefix": 0, "next": 1}
+    prompt = torch.randint(10, 1000, (a.context,)).tolist()
+
+    def round_(tree: TokenTree) -> None:
+        pending = prompt if state["prefix"] == 0 else [state["next"]]
+        req = VerifyRequest("s", tree, pending, state["prefix"], capacity_hint=a.context + 8 * a.rounds * 40)
+        res = eng.verify(req)
+        state["prefix"], state["next"] = res.prefix_length, res.next_token_id
+
+    round_(TokenTree.empty())
+    rows: dict[str, dict[str, float]] = {}
+    times: dict[int, float] = {}
+    for n in sizes:
+        tree = TokenTree.empty() if n == 0 else _tree(n, dev)
+        for _ in range(3):  # capture (and compile) this size's round graph outside the timing
+            round_(tree)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(a.rounds):
+            round_(tree)
+        sync()
+        times[n] = (time.perf_counter() - t0) / a.rounds * 1e3
+        if dev.type != "cuda":
+            continue
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if a.eager_ops else [ProfilerActivity.CUDA]
+        with profile(activities=acts) as prof:
+            for _ in range(10):
+                round_(tree)
+            sync()
+        per: dict[str, float] = defaultdict(float)
+        if a.eager_ops:  # operators (aten::...) with the GPU time of the kernels they launched
+            for e in prof.key_averages():
+                if e.key.startswith("aten::") and e.device_time_total > 0:
+                    per[e.key] += e.device_time_total / 10
+        else:
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    per[e.name[:90]] += e.device_time / 10  # microseconds a round
+        rows[str(n)] = dict(per)
+        print(f"{n} nodes: {times[n]:.3f} ms a round", flush=True)
+    print({n: round(t, 3) for n, t in times.items()})
+    if not rows:
+        return 0
+    big = str(max(sizes))
+    names = sorted(
+        set(rows["0"]) | set(rows[big]), key=lambda k: rows[big].get(k, 0) - rows["0"].get(k, 0), reverse=True
+    )
+    lines = [
+        f"# Round kernels: plain step against tree rounds ({torch.cuda.get_device_name(dev)}, random Qwen2.5-1.5B shapes)",
+        "",
+        f"- command: `python benchmarks/round_kernels.py --device {a.device} --sizes {a.sizes} --context {a.context}"
+        + f" --rounds {a.rounds}"
+        + (" --compile" if a.compile else "")
+        + (" --eager-ops" if a.eager_ops else "")
+        + (f" --tag {a.tag}" if a.tag else "")
+        + "`",
+        f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",
+        "- ms a round (wall clock around many rounds, synchronised): "
+        + ", ".join(f"{n} nodes {t:.3f}" for n, t in times.items()),
+        "",
+        "| "
+        + ("operator (nested ones counted in each)" if a.eager_ops else "kernel")
+        + " | "
+        + " | ".join(f"{n} nodes µs" for n in sizes)
+        + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    lines += [
+        f"| `{k}` | " + " | ".join(f"{rows[str(n)].get(k, 0.0):.1f}" for n in sizes) + " |"
+        for k in names[:25]
+    ]
+    if not a.eager_ops:  # operators nest: their sum means nothing
+        lines.append(
+            "| **all kernels** | " + " | ".join(f"{sum(rows[str(n)].values()):.1f}" for n in sizes) + " |"
+        )
+    stem = "round_kernels" + (f"-{a.tag}" if a.tag else "")
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.json").write_text(json.dumps({"ms_a_round": times, "kernels_us": rows}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
