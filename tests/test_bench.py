@@ -854,7 +854,12 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
     # each client against its own prompt decoded alone
     assert all(0 < c["client_vs_alone_min"] <= c["client_vs_alone_p50"] <= c["client_vs_alone_max"]
                for c in cells.values())  # fmt: skip
-    assert next(out.glob("clients-*.md")).read_text().count("grpc-model-clientloop") >= 2
+    for c in cells.values():  # one record per client, naming its prompt; the extremes come from them
+        assert len(c["clients"]) == c["batch"] and all(r["prompt_id"] for r in c["clients"])
+        assert min(r["vs_alone"] for r in c["clients"]) == c["client_vs_alone_min"]
+        assert min(r["tok_s"] for r in c["clients"]) == c["client_tok_s_min"]
+    report = next(out.glob("clients-*.md")).read_text()
+    assert report.count("grpc-model-clientloop") >= 2 and "- 3 clients, grpc-plain: " in report
 
 
 def test_client_processes_generate_what_client_threads_generate(tmp_path: Path) -> None:

@@ -286,6 +286,12 @@ def _client_cells(
                     "client_vs_alone_min": vs_alone[0] if vs_alone else None,
                     "client_vs_alone_p50": vs_alone[len(vs_alone) // 2] if vs_alone else None,
                     "client_vs_alone_max": vs_alone[-1] if vs_alone else None,
+                    # per client: which prompt, its speed, and that against the prompt alone
+                    "clients": [
+                        {"prompt_id": r.id, "category": r.category, "tok_s": t / s if s > 0 else 0.0,
+                         "vs_alone": (t / s) / alone[r.id] if s > 0 and alone.get(r.id) else None}
+                        for (t, s), r in zip(per, rows, strict=True)
+                    ],
                     "rows_checked": 0, "rows_identical": 0,
                     "peak_gpu_bytes": workers.peak_gpu_bytes(),
                 })  # fmt: skip
@@ -634,6 +640,15 @@ def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
             f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
             f"{'-' if mem is None else format(mem / 2**30, '.1f') + ' GiB'} |"
         )
+    slow = [c for c in result["cells"] if c["batch"] > 1 and c.get("clients")]
+    if slow:  # which prompts fall furthest behind their own speed alone
+        lines += ["", "Slowest clients against their prompt alone (the `.json` has every client):", ""]
+        for c in slow:
+            worst = sorted(
+                (r for r in c["clients"] if r["vs_alone"] is not None), key=lambda r: r["vs_alone"]
+            )[:3]
+            named = ", ".join(f"{r['prompt_id']} {r['vs_alone']:.2f}" for r in worst)
+            lines.append(f"- {c['batch']} clients, {c['decoder']}: {named}")
     return _with_notes(lines, result)
 
 
