@@ -10,6 +10,7 @@ the kernels a round runs). ``--eager-ops`` runs the same rounds on the static pa
 capture and lists the GPU time by operator instead (a replayed graph's kernels carry no operator).
 
     python benchmarks/round_kernels.py --device cuda:0 [--sizes 4,16,32] [--compile] [--eager-ops] [--tag h200]
+    python benchmarks/round_kernels.py --device cpu --strided
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
+import traceback
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 OUT = Path(__file__).resolve().parent / "results"
 QWEN_1_5B = dict(  # noqa: C408
@@ -46,6 +50,42 @@ def _tree(size: int, device: torch.device):
     return tree.to(device)
 
 
+_VIEWS = {"view", "_unsafe_view", "select", "slice", "transpose", "t", "expand", "unsqueeze", "squeeze",
+          "split", "split_with_sizes", "chunk", "as_strided", "reshape", "detach", "alias", "permute",
+          "unbind", "narrow"}  # fmt: skip
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its dims in some order are a contiguous tensor (no gaps)."""
+    expected = 1
+    for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Strided(TorchDispatchMode):
+    """Counts, per (operator, calling line), the non-view operators that get a tensor with gaps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[tuple[str, str]] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        tensors = [x for x in args if isinstance(x, torch.Tensor) and x.dim() > 0]
+        if name not in _VIEWS and not all(_dense(x) for x in tensors):
+            frames = [
+                f for f in traceback.extract_stack() if "specsplit" in f.filename or "modeling_" in f.filename
+            ]
+            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+            self.calls[(name, where)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0")
@@ -54,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--eager-ops", action="store_true", help="no capture; GPU time by operator")
+    p.add_argument(
+        "--strided", action="store_true", help="no timing; the operators that get operands with gaps"
+    )
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -69,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16).eval()
     cfg = TargetConfig(cuda_graphs=dev.type == "cuda", compile=a.compile, fuse_projections=True)
     eng = TargetEngine(model, cfg)
-    if a.eager_ops:
+    if a.eager_ops or a.strided:
         eng._workspace.static.use_graphs = False  # the same static-shape rounds, run op by op
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sizes = [0] + [int(s) for s in a.sizes.split(",")]
@@ -83,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         state["prefix"], state["next"] = res.prefix_length, res.next_token_id
 
     round_(TokenTree.empty())
+    if a.strided:
+        for n in (0, max(sizes)):
+            tree = TokenTree.empty() if n == 0 else _tree(n, dev)
+            round_(tree)  # first rounds of a shape set things up
+            with _Strided() as seen:
+                round_(tree)
+            print(f"{n} nodes: operators with operands that have gaps, calls a round (caller)")
+            for (op, where), count in sorted(seen.calls.items(), key=lambda kv: -kv[1]):
+                print(f"  {count:4d}  {op}  ({where})")
+        return 0
     rows: dict[str, dict[str, float]] = {}
     times: dict[int, float] = {}
     for n in sizes:

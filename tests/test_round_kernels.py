@@ -1,21 +1,36 @@
 """benchmarks/round_kernels.py runs its rounds through a target engine's static path (on a CPU
-without capture or profiling): plain steps and padded n-gram-shaped trees verify without error."""
+without capture or profiling): plain steps and padded n-gram-shaped trees verify without error, and
+``--strided`` names the operators that read rows with gaps."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "round_kernels.py"
 
 
-def test_round_kernels_runs_plain_and_tree_rounds_on_cpu(capsys):
+def _script() -> ModuleType:
+    """The script with a tiny model of the same family (the timing code runs unchanged)."""
     spec = importlib.util.spec_from_file_location("round_kernels", SCRIPT)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.QWEN_1_5B = dict(mod.QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)  # fmt: skip
-    assert mod.main(["--device", "cpu", "--sizes", "4,16", "--rounds", "2", "--context", "16"]) == 0
+    return mod
+
+
+def test_round_kernels_runs_plain_and_tree_rounds_on_cpu(capsys):
+    assert _script().main(["--device", "cpu", "--sizes", "4,16", "--rounds", "2", "--context", "16"]) == 0
     out = capsys.readouterr().out
     assert "0:" in out and "16:" in out  # ms a round of each kind
+
+
+def test_strided_lists_the_operators_that_read_gapped_rows(capsys):
+    """With several rows, the fused MLP's activation reads the gate half of the fused GEMM's output:
+    a tensor with gaps between its rows; a one-row step has no such read there."""
+    assert _script().main(["--device", "cpu", "--sizes", "8", "--context", "16", "--strided"]) == 0
+    plain, tree = capsys.readouterr().out.split("8 nodes:")
+    assert "silu  (fused.py" not in plain and "silu  (fused.py" in tree
