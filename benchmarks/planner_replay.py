@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,15 @@ def record(
                 json.dumps({"id": p.id, "category": p.category, "prompt": p.input_ids, "new": new}) + "\n"
             )
             print(f"{p.id}: {len(new)} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def accepted(proposal: Any, answer: Sequence[int]) -> int:
+    """Nodes of ``proposal`` a greedy verification accepts when the target goes on with ``answer``:
+    those whose root path equals the answer's tokens it covers (at most one per depth)."""
+    ok: list[bool] = []
+    for tok, parent, depth in zip(proposal.token_ids, proposal.parents, proposal.depths, strict=True):
+        ok.append(depth <= len(answer) and (parent < 0 or ok[parent]) and tok == answer[depth - 1])
+    return sum(ok)
 
 
 class _Answer:
@@ -129,8 +139,7 @@ def replay(
             truth = target.new[target.pos : target.pos + 64]
             plan = RoundPlan(False, 0, 1.0, cost(0))
             for size in planner.sizes if p.num_nodes else ():
-                _, flags = p.top(size).hindsight(truth)
-                arm = RoundPlan(False, size, 1.0 + sum(flags), cost(size))
+                arm = RoundPlan(False, size, 1.0 + accepted(p.top(size), truth), cost(size))
                 if arm.expected / arm.seconds > plan.expected / plan.seconds:
                     plan = arm
                 if size >= p.num_nodes:

@@ -177,19 +177,6 @@ def test_top_k_on_random_trees() -> None:
     assert ng.Proposal.empty().top(3) == ng.Proposal.empty()
 
 
-def test_hindsight_judges_each_node_by_the_tokens_committed_after_it() -> None:
-    # roots 7 and 8; 7 -> 9 -> 11 and 7 -> 10; 8 -> 9
-    p = ng.Proposal(
-        [7, 8, 9, 10, 9, 11], [-1, -1, 0, 0, 1, 2], [1, 1, 2, 2, 2, 3], [0.9, 0.5, 0.6, 0.3, 0.4, 0.5]
-    )
-    scores, flags = p.hindsight([7, 9, 11, 4])
-    assert scores == p.scores and flags == [True, False, True, False, False, True]
-    # Only the nodes the committed tokens cover are judged; a wrong parent fails its whole subtree.
-    assert p.hindsight([8]) == ([0.9, 0.5], [False, True])
-    assert p.hindsight([8, 9]) == ([0.9, 0.5, 0.6, 0.3, 0.4], [False, True, False, False, True])
-    assert p.hindsight([]) == ([], [])
-
-
 def test_expected_curve_matches_expected_tokens() -> None:
     rng = random.Random(2)
     for _ in range(50):

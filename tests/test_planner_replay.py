@@ -39,3 +39,17 @@ def test_replay_reproduces_answers_and_the_oracle_bounds_the_planner(tmp_path):
     assert 0.9 < real["categories"]["free"]["x"] <= 1.0 + 1e-9  # nothing to copy: plain steps, no gain
     assert best["overall"] >= real["overall"]
     assert best["categories"]["free"]["tree_rounds"] == 0  # the oracle never verifies a tree that fails
+
+
+def test_accepted_counts_the_nodes_on_the_answers_path():
+    from specsplit.core.ngram import Proposal
+
+    # roots 7 and 8; 7 -> 9 -> 11 and 7 -> 10; 8 -> 9
+    p = Proposal(
+        [7, 8, 9, 10, 9, 11], [-1, -1, 0, 0, 1, 2], [1, 1, 2, 2, 2, 3], [0.9, 0.5, 0.6, 0.3, 0.4, 0.5]
+    )
+    mod = _module()
+    assert mod.accepted(p, [7, 9, 11, 4]) == 3
+    assert mod.accepted(p, [7, 9]) == 2  # the depth-3 node is not covered yet
+    assert mod.accepted(p, [8, 9, 11]) == 2  # a wrong parent fails its whole subtree
+    assert mod.accepted(p, [5]) == 0 and mod.accepted(p, []) == 0

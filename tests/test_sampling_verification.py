@@ -205,3 +205,6 @@ def test_follow_path_walks_the_accepted_children_at_any_depth_bound():
         path, num, last = _follow_path(torch.tensor(accepted_child, dtype=torch.long), depth)
         assert path.tolist() == want and int(num) == count and int(last) == row
         assert path.dtype == num.dtype == last.dtype == torch.long and num.dim() == last.dim() == 0
+    # no read of device values on the host: the walk runs on meta tensors, which hold none
+    path, num, last = _follow_path(torch.empty(17, dtype=torch.long, device="meta"), 16)
+    assert path.shape == (16,) and num.shape == last.shape == ()

@@ -119,29 +119,6 @@ class Proposal:
         """Expected tokens committed by a greedy round verifying ``top(k)``: 1 + the ``k`` best scores."""
         return 1.0 + sum(sorted(self.scores, reverse=True)[: max(k, 0)])
 
-    def hindsight(self, committed: Sequence[int]) -> tuple[list[float], list[bool]]:
-        """Which nodes a greedy verification would have accepted, judged by the tokens committed after
-        the proposal was made: a node is accepted when its root path equals the committed tokens it
-        covers. (``benchmarks/planner_replay.py`` prices each round's trees with it.)
-
-        Returns:
-            ``(scores, accepted)`` of the nodes no deeper than ``len(committed)`` (deeper ones are
-            not known yet).
-        """
-        m = len(committed)
-        ok: list[bool] = []
-        scores: list[float] = []
-        flags: list[bool] = []
-        for tok, parent, depth, score in zip(
-            self.token_ids, self.parents, self.depths, self.scores, strict=True
-        ):
-            hit = depth <= m and (parent < 0 or ok[parent]) and tok == committed[depth - 1]
-            ok.append(hit)
-            if depth <= m:
-                scores.append(score)
-                flags.append(hit)
-        return scores, flags
-
     def validate(self) -> None:
         """Raises ValueError unless the lists describe a BFS-ordered tree with monotone scores in (0, 1]."""
         n = len(self.token_ids)

@@ -147,10 +147,10 @@ class RoundCosts:
         if est is not None and est.trusted:
             return est.value
         if self._table is None:  # rebuilt once per new sample, not once per size a plan prices
-            known = {m: e.value for m, e in self.sizes.items() if e.trusted}
-            if not known:  # nothing trusted yet: any sample beats no estimate
-                known = {m: e.value for m, e in self.sizes.items() if e.value is not None}
-            table = {m: v for m, v in known.items() if v is not None}
+            measured = {m: e for m, e in self.sizes.items() if e.value is not None}
+            trusted = {m: e for m, e in measured.items() if e.trusted}
+            # nothing trusted yet: any sample beats no estimate
+            table = {m: e.value for m, e in (trusted or measured).items() if e.value is not None}
             self._table = (sorted(table), table)
         xs, mean = self._table
         if not xs:
