@@ -291,6 +291,12 @@ class DraftConfig:
         max_sessions: live sessions kept; one more evicts the least recently used.
         session_ttl_s: idle sessions older than this are freed.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
+        vocab_subset: score only this many tokens in the draft's output layer, the best-ranked ones
+            (FR-Spec; :mod:`specsplit.runtime.vocab_subset`): a cheaper draft step where the output
+            layer is a large part of the weights read, lossless, at the cost of the rounds whose next
+            token lies outside the subset. ``None`` (default): the whole vocabulary.
+        vocab_ranking: a JSON file of token ids, best first (``specsplit draft-vocab`` writes one from
+            your texts); ``None``: token id order (merge order of a byte-level BPE vocabulary).
         tuning: A/B switches (:class:`EngineTuning`).
     """
 
@@ -306,10 +312,18 @@ class DraftConfig:
     max_tree_nodes: int = 256
     max_tree_depth: int = 64
     max_context: int = 32768
+    vocab_subset: int | None = None
+    vocab_ranking: str | None = None
     tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
         _check_engine(self, "draft")
+        if self.vocab_subset is not None and self.vocab_subset < 1:
+            raise ConfigError(f"draft.vocab_subset must be >= 1, got {self.vocab_subset}")
+        if self.vocab_ranking is not None and self.vocab_subset is None:
+            raise ConfigError(
+                "draft.vocab_ranking ranks the tokens of draft.vocab_subset: set vocab_subset too"
+            )
 
 
 @dataclass

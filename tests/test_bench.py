@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit.bench.decoders import DEFAULT_DECODERS, BuildOptions
+from specsplit.bench.decoders import DEFAULT_DECODERS, FRSPEC_VOCAB, BuildOptions
 from specsplit.bench.report import RunRecord, first_difference, rounds_to_counts, summarize
 from specsplit.bench.run import CATEGORIES, DEFAULT_PROMPTS, SCHEMA, load_prompts
 from specsplit.cli import main
@@ -451,15 +451,19 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
             if not d.name.endswith(
                 "-compiled"
             ):  # plain A/B pairs and drafters: graphs only with --cuda-graphs
-                assert d.name.removesuffix("-unary").removesuffix("-noipc") in (
+                assert d.name.removesuffix("-unary").removesuffix("-noipc").removesuffix("-frspec") in (
                     "specsplit-grpc-dynamic",
                     "specsplit-grpc-targetloop-dynamic",
                     "specsplit-ngram",
                     "specsplit-suffix",
                     "specsplit-hybrid",
                     "specsplit-auto",
+                    "specsplit-chain",
+                    "specsplit-dynamic",
                 )
                 assert "torch.compile" not in d.label and not d.shape_warmup
+                # the restricted draft vocabulary's A/B: only the -frspec decoders' drafts get one
+                assert (d.config.draft.vocab_subset == FRSPEC_VOCAB) == d.name.endswith("-frspec")
                 assert d.config.grpc_loop == ("target" if "-targetloop-" in d.name else "client")
                 assert d.config.tuning.grpc_streams == (not d.name.endswith("-unary"))  # the streams' A/B
                 assert ("unary calls" in d.label) == d.name.endswith("-unary")
@@ -671,6 +675,7 @@ _OPTIONAL_NAMES = (
     "specsplit-target-only-prefill-compiled", "specsplit-dynamic-prefill-compiled",
     "specsplit-ngram", "specsplit-ngram-compiled", "specsplit-suffix", "specsplit-suffix-compiled",
     "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
+    "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
 )  # fmt: skip
 
 
@@ -706,6 +711,7 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("unary calls" in label) == (spec.grpc_streams is False) == name.endswith("-unary"), name
         assert ("no tree slots" in label) == (not spec.tree_ipc) == name.endswith("-noipc"), name
         assert ("without a draft" in label) == spec.target_only == ("target-only" in name), name
+        assert ("(FR-Spec)" in label) == spec.draft_vocab == ("-frspec" in name), name
         model_tree = (
             "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
         )  # drafters: the dynamic tree

@@ -99,3 +99,32 @@ def test_generate_cli_prefill_graphs(model_dirs, llama_target, capsys, flag):
     out = json.loads(capsys.readouterr().out)
     ref = llama_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, 40:]
     assert out["text"] == word_tokenizer().decode(ref.tolist(), skip_special_tokens=True)
+
+
+def test_generate_and_serve_cli_restricted_draft_vocabulary(model_dirs, llama_target, capsys, tmp_path):
+    """``models rank-vocab`` writes a ranking from text files; ``generate --draft-vocab N
+    --draft-vocab-ranking FILE`` keeps HF's output; ``serve target --draft-vocab`` is refused."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text(" ".join(word(i) for i in [9, 9, 9, 4, 4, 41]))
+    ranking = tmp_path / "ranking.json"
+    assert main(["models", "rank-vocab", str(model_dirs / "target"), str(texts), "--out", str(ranking)]) == 0
+    assert "distinct tokens" in capsys.readouterr().out
+    ranked = json.loads(ranking.read_text())["ranked_ids"]
+    assert ranked[:2] == [9, 4]  # most used first
+    prompt_ids = [9, 4, 41, 7]
+    rc = main([
+        "generate", " ".join(word(i) for i in prompt_ids), "--target", str(model_dirs / "target"),
+        "--draft", str(model_dirs / "draft"), "--drafter", "model", "--raw", "--max-new-tokens", "16",
+        "--json", "--device", "cpu", "--draft-vocab", "64", "--draft-vocab-ranking", str(ranking),
+    ])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = llama_target.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, 4:]
+    assert out["text"] == word_tokenizer().decode(ref.tolist(), skip_special_tokens=True)
+    assert main(["serve", "target", "--model", "m", "--draft-vocab", "64"]) == 2
+    assert "draft options" in capsys.readouterr().err
+    rc = main([
+        "generate", "xaa", "--target", str(model_dirs / "target"), "--draft", str(model_dirs / "draft"),
+        "--raw", "--draft-vocab-ranking", str(ranking),
+    ])  # fmt: skip
+    assert rc == 2 and "set vocab_subset" in capsys.readouterr().err

@@ -107,6 +107,45 @@ def test_cuda_graph_path_exact(llama_target, llama_draft_random, shape, fuse, ke
         assert all(r.graph is not None for r in gen.target_engine._rounds.values())
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_restricted_draft_vocabulary_on_cuda_graphs_exact(llama_target, llama_draft_random, shape, compile):
+    """A draft whose output layer scores half the vocabulary, on the graph path with fused
+    projections (its whole tree round one graph), also compiled: HF's greedy tokens, and every
+    drafted token from the subset."""
+    import copy
+
+    ddev, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    draft = copy.deepcopy(llama_draft_random).to(ddev)
+    tuning = EngineTuning(graph_capacity=512, graph_rounds=True)
+    cfg = SpecSplitConfig(
+        tree=TreeConfig(shape=shape),
+        draft=DraftConfig(device=ddev, dtype="float32", cuda_graphs=True, fuse_projections=True,
+                          tuning=tuning, vocab_subset=128, compile=compile),
+        target=TargetConfig(device=tdev, dtype="float32", cuda_graphs=True, tuning=tuning),
+    )  # fmt: skip
+    ids = torch.tensor([PROMPTS[0]])
+    ref = target.generate(ids.to(tdev), max_new_tokens=60, do_sample=False).cpu()
+    with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        drafted: list[int] = []
+        grow = gen.draft_engine.generate
+
+        def recording(req):
+            res = grow(req)
+            drafted.extend(res.tree.token_ids.tolist())
+            return res
+
+        gen.draft_engine.generate = recording  # type: ignore[method-assign]
+        for _ in range(2):
+            out = gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+        assert drafted and max(drafted) < 128  # the subset (the special ids 0-2 lie in it)
+        head = gen.draft_engine.runner.head
+        assert head is not None and head.ids.device.type == "cuda"
+        assert gen.draft_engine._workspace.static.captures >= 1
+
+
 @pytest.mark.parametrize(
     ("shape", "compile"),
     [("chain", False), ("dynamic", False), ("dynamic", True)],

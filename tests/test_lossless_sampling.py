@@ -59,7 +59,9 @@ def exact_joint(target: LlamaForCausalLM) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-def empirical_joint(target, draft, tree: TreeConfig, runs: int = RUNS) -> torch.Tensor:
+def empirical_joint(
+    target, draft, tree: TreeConfig, runs: int = RUNS, draft_config: DraftConfig | None = None
+) -> torch.Tensor:
     """Joint of the first two committed tokens over ``runs`` seeded speculative rounds.
 
     Each run is one real draft + verify round through the engines (sessions reused: the draft
@@ -67,7 +69,7 @@ def empirical_joint(target, draft, tree: TreeConfig, runs: int = RUNS) -> torch.
     one token (everything rejected), the second comes from the next round, which is a target
     step from the exact conditional — itself the first-token case this test also checks.
     """
-    draft_engine = DraftEngine(draft, DraftConfig(tuning=EngineTuning(q_top_k=V)))
+    draft_engine = DraftEngine(draft, draft_config or DraftConfig(tuning=EngineTuning(q_top_k=V)))
     target_engine = TargetEngine(target)
     exact2 = exact_joint(target)
     cond2 = exact2 / exact2.sum(1, keepdim=True).clamp_min(1e-30)
@@ -118,6 +120,19 @@ def test_output_distribution_equals_target(pair, name):
     emp = empirical_joint(target, draft, TREES[name])
     assert tv(emp, exact) < 0.04, f"TV={tv(emp, exact):.4f}"
     # the first-token marginal converges too
+    assert tv(emp.sum(1), exact.sum(1)) < 0.02
+
+
+@pytest.mark.slow
+def test_output_distribution_equals_target_with_a_restricted_draft_vocabulary(pair):
+    """A draft whose output layer scores 3 of the 8 tokens (FR-Spec): its q is zero elsewhere, and
+    the target's distribution still comes out exactly, tokens outside the subset included."""
+    target, draft = pair
+    exact = exact_joint(target)
+    assert exact.sum(1)[3:].sum() > 0.3  # the target often samples tokens the draft cannot propose
+    cfg = DraftConfig(vocab_subset=3, tuning=EngineTuning(q_top_k=V))
+    emp = empirical_joint(target, draft, TREES["chain"], draft_config=cfg)
+    assert tv(emp, exact) < 0.04, f"TV={tv(emp, exact):.4f}"
     assert tv(emp.sum(1), exact.sum(1)) < 0.02
 
 

@@ -588,3 +588,20 @@ def test_serve_specpv_options_reach_the_config() -> None:
     assert (pv.retrieval_refresh_interval, pv.retrieval_query_window, pv.rectify_margin) == (1, 16, 1.5)
     with pytest.raises(ConfigError, match="rectify_margin"):
         specpv_config(parser.parse_args([*base, "--specpv", "--specpv-rectify-margin", "-1"]))
+
+
+def test_draft_worker_with_a_restricted_vocabulary_keeps_the_output(workers, model_dirs) -> None:
+    """``specsplit serve draft --draft-vocab N``: a draft worker whose output layer scores a subset;
+    the generation over gRPC still equals the target's ``generate()``."""
+    target_dir, draft_dir = model_dirs
+    (restricted,) = start_all([Worker("draft", draft_dir, ["--draft-vocab", str(VOCAB // 2)])])
+    try:
+        target = load_saved(target_dir)
+        ids, mask = prompts(1, seed=5)
+        want = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        with grpc_gen((workers[0], restricted), TREES["dynamic16"]) as gen:
+            got = gen.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        assert torch.equal(got, want)
+    finally:
+        assert restricted.terminate() == 0, "".join(restricted.log[-20:])
+    assert any(f"drafts from the {VOCAB // 2} best-ranked tokens" in line for line in restricted.log)

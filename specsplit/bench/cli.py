@@ -20,7 +20,7 @@ from specsplit.bench.batch import (
     batch_markdown,
     run_batch_bench,
 )
-from specsplit.bench.decoders import ASSISTED, BASELINE, DEFAULT_DECODERS, OPTIONAL_DECODERS
+from specsplit.bench.decoders import ASSISTED, BASELINE, DEFAULT_DECODERS, FRSPEC_VOCAB, OPTIONAL_DECODERS
 from specsplit.bench.report import RunRecord, summarize, write_plot
 from specsplit.bench.run import (
     DEFAULT_PROMPTS,
@@ -111,6 +111,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="TOPK,WIDTH,BUDGET,DEPTH",
         help="shape of the dynamic-tree decoders (default: TreeConfig's, 4,4,24,6)",
+    )
+    p.add_argument(
+        "--frspec-vocab",
+        type=int,
+        default=FRSPEC_VOCAB,
+        help="tokens the -frspec decoders' draft output layer scores, best-ranked first (token id order)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
@@ -229,6 +235,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     parts += ["--dtype", args.dtype or "auto", "--num-draft-tokens", str(args.num_draft_tokens)]
     if args.dynamic_tree:
         parts += ["--dynamic-tree", args.dynamic_tree]
+    if args.frspec_vocab != FRSPEC_VOCAB:
+        parts += ["--frspec-vocab", str(args.frspec_vocab)]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -286,6 +294,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         overlap_draft_device=args.overlap_draft_device,
         fuse_projections=args.fuse_projections,
         pack_weights=args.pack_weights,
+        frspec_vocab=args.frspec_vocab,
     )
 
 

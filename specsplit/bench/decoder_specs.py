@@ -9,10 +9,12 @@ Names are stable: scripts and committed results refer to them. The suffixes are 
 (``-compiled``: CUDA graphs fused by torch.compile; ``-prefill``: prompts padded to graph buckets;
 ``-levels``: one draft graph per tree level; ``-split``: sequential rounds with the draft on the
 overlap device; ``-targetloop``: rounds run by the target worker; ``-unary``: unary gRPC calls instead
-of streams; ``-noipc``: trees in the draft worker's replies instead of tree slots).
+of streams; ``-noipc``: trees in the draft worker's replies instead of tree slots; ``-frspec``: the draft's output
+layer over a subset of the vocabulary).
 
 Labels are format strings: ``{k}`` (draft tokens of the chain and of ``hf-assisted``), ``{lookup}``
-(prompt-lookup tokens), ``{tree}`` (the tree in words), ``{draft_device}`` and ``{device}`` (where the
+(prompt-lookup tokens), ``{vocab}`` (tokens an ``-frspec`` draft scores), ``{tree}`` (the tree in
+words), ``{draft_device}`` and ``{device}`` (where the
 decoder's draft and target run). The builder appends what the run's flags add (CUDA graphs, fused
 projections, where gRPC workers run).
 """
@@ -77,6 +79,8 @@ class DecoderSpec:
             (``None``: ``--grpc-streams``).
         tree_ipc: a target worker that runs the rounds reads trees from the draft worker's GPU
             memory (``specsplit serve target --tree-ipc``); off, trees travel in replies.
+        draft_vocab: the draft's output layer scores only the ``--frspec-vocab`` best-ranked tokens
+            (``DraftConfig.vocab_subset``, FR-Spec).
     """
 
     name: str
@@ -96,6 +100,7 @@ class DecoderSpec:
     prefill_graphs: bool | None = None
     grpc_streams: bool | None = None
     tree_ipc: bool = True
+    draft_vocab: bool = False
 
     def __post_init__(self) -> None:
         for field_name, allowed in _CHOICES.items():
@@ -138,6 +143,7 @@ _NGRAM = "SpecSplit local, n-gram trees from the prompt and output (no draft mod
 _SUFFIX = "SpecSplit local, n-gram trees from the prompt, output and earlier generations (no draft model)"
 _HYBRID = "SpecSplit local, {tree} with n-gram nodes merged in"
 _AUTO = "SpecSplit local, the cost model's choice each round (none, n-gram, {tree} or both)"
+_FRSPEC = "draft output layer over the {vocab} best-ranked tokens (FR-Spec)"
 
 # In run order: results list decoders in this order. The default set first, then the optional ones:
 # compiled twins (compiling is slow, on CPU too) and the A/B pairs of single switches.
@@ -209,6 +215,13 @@ _TABLE = (
                 compile=True),
     DecoderSpec("specsplit-auto", _AUTO, tree="dynamic", drafter="auto"),
     DecoderSpec("specsplit-auto-compiled", f"{_AUTO}, {_COMPILED}", tree="dynamic", drafter="auto", compile=True),
+    # The model draft with a restricted output layer (DraftConfig.vocab_subset), beside the same
+    # decoders with the whole vocabulary.
+    DecoderSpec("specsplit-chain-frspec", f"{_LOCAL}, {_FRSPEC}", tree="chain", draft_vocab=True),
+    DecoderSpec("specsplit-dynamic-frspec", f"{_LOCAL}, {_FRSPEC}", tree="dynamic", draft_vocab=True),
+    DecoderSpec("specsplit-auto-frspec", f"{_AUTO}, {_FRSPEC}", tree="dynamic", drafter="auto", draft_vocab=True),
+    DecoderSpec("specsplit-dynamic-frspec-compiled", f"{_LOCAL}, {_FRSPEC}, {_COMPILED}", tree="dynamic",
+                draft_vocab=True, compile=True),
 )  # fmt: skip
 
 DECODERS: dict[str, DecoderSpec] = {spec.name: spec for spec in _TABLE}

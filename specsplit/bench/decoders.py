@@ -45,6 +45,7 @@ __all__ = [
 FUSED_WORDS = ", fused q/k/v and gate/up projections"  # label words of the decoders that run fused copies
 PACKED_WORDS = ", packed CPU weights"  # ... and of those that run packed copies
 PROMPT_LOOKUP_TOKENS = 10
+FRSPEC_VOCAB = 32768  # tokens the -frspec decoders' draft scores (FR-Spec's size for a 128k vocabulary)
 
 
 @dataclass
@@ -215,6 +216,7 @@ class BuildOptions:
             smoke models always run in-process) or as servers in this process.
         dynamic_tree: ``(topk, width, budget, depth)`` of the dynamic tree (default
             :class:`TreeConfig`'s).
+        frspec_vocab: tokens the ``-frspec`` decoders' draft output layer scores.
     """
 
     k: int = 4
@@ -224,6 +226,7 @@ class BuildOptions:
     pipeline: PipelineTuning = field(default_factory=PipelineTuning)
     grpc_workers: Workers = "process"
     dynamic_tree: tuple[int, int, int, int] | None = None
+    frspec_vocab: int = FRSPEC_VOCAB
 
 
 @dataclass
@@ -239,6 +242,7 @@ class _Plan:
     draft: Any  # the draft model this decoder runs (None: target-only)
     draft_device: str
     processes: bool  # gRPC workers as `specsplit serve` processes
+    vocab_subset: int | None = None  # the draft's restricted output layer (-frspec decoders)
 
 
 def _trees(opts: BuildOptions) -> dict[str, TreeConfig]:
@@ -274,13 +278,15 @@ def _plan(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: bool) -> 
         draft=draft,
         draft_device=(m.overlap_draft_device or m.draft_device) if on_overlap_device else m.draft_device,
         processes=(spec.workers or opts.grpc_workers) == "process",
+        vocab_subset=opts.frspec_vocab if spec.draft_vocab else None,
     )
 
 
 def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | None) -> str:
     """The spec's label filled in, plus the words the run's flags add to a SpecSplit decoder."""
     tree = plan.tree if plan is not None else _trees(opts)[spec.tree]
-    text = spec.label.format(k=opts.k, lookup=PROMPT_LOOKUP_TOKENS, tree=_tree_words(tree), device=m.device,
+    text = spec.label.format(k=opts.k, lookup=PROMPT_LOOKUP_TOKENS, vocab=opts.frspec_vocab,
+                             tree=_tree_words(tree), device=m.device,
                              draft_device=plan.draft_device if plan is not None else m.draft_device)  # fmt: skip
     if plan is None:
         return text
@@ -399,7 +405,12 @@ def _local_decoder(m: BenchModels, spec: DecoderSpec, plan: _Plan, label: str) -
         drafter=spec.drafter,
         tree=plan.tree,
         tuning=plan.pipeline,
-        draft=DraftConfig(cuda_graphs=plan.graphs, compile=plan.compile, tuning=plan.draft_tuning),
+        draft=DraftConfig(
+            cuda_graphs=plan.graphs,
+            compile=plan.compile,
+            tuning=plan.draft_tuning,
+            vocab_subset=plan.vocab_subset,
+        ),  # fmt: skip
         target=TargetConfig(cuda_graphs=plan.graphs, compile=plan.compile, tuning=plan.target_tuning),
         overlap=spec.overlap,
     )

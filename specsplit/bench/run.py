@@ -31,6 +31,7 @@ from specsplit.bench.decoders import (
     BASELINE,
     DECODERS,
     DEFAULT_DECODERS,
+    FRSPEC_VOCAB,
     PROMPT_LOOKUP_TOKENS,
     BuildOptions,
     DecodeOutput,
@@ -128,13 +129,14 @@ class BenchOptions:
     fuse_projections: bool = False  # SpecSplit decoders run fused-projection copies of the models
     pack_weights: bool | None = None  # ... packed-weight copies (None: where they are float32 on a CPU)
     dynamic_tree: tuple[int, int, int, int] | None = None  # (topk, width, budget, depth) of dynamic trees
+    frspec_vocab: int = FRSPEC_VOCAB  # tokens the -frspec decoders' draft output layer scores
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
         return BuildOptions(
             k=self.num_draft_tokens, cuda_graphs=self.cuda_graphs, compile=self.compile,
             tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
-            dynamic_tree=self.dynamic_tree,
+            dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab,
         )  # fmt: skip
 
 
@@ -417,6 +419,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "weight_read_bound": bound,
             "num_draft_tokens": opts.num_draft_tokens,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
+            "frspec_vocab": opts.frspec_vocab,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
             "grpc_workers": opts.grpc_workers,

@@ -35,6 +35,34 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_draft_vocab_flags(p: argparse.ArgumentParser) -> None:
+    """``--draft-vocab`` / ``--draft-vocab-ranking``: the draft's restricted output layer (FR-Spec)."""
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the draft scores only the N best-ranked tokens (lossless; pays where the output layer is "
+        "a large share of the draft's weight reads, costs acceptance otherwise); default: all",
+    )
+    p.add_argument(
+        "--draft-vocab-ranking",
+        default=None,
+        metavar="FILE",
+        help="JSON ranking for --draft-vocab (`specsplit models rank-vocab`); default: token id order",
+    )
+
+
+def draft_vocab_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``DraftConfig`` fields the ``--draft-vocab*`` flags set (absent where not given)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "draft_vocab", None) is not None:
+        out["vocab_subset"] = args.draft_vocab
+    if getattr(args, "draft_vocab_ranking", None) is not None:
+        out["vocab_ranking"] = args.draft_vocab_ranking
+    return out
+
+
 def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
     """``--drafter``: what drafts each round (``SpecSplitConfig.drafter``)."""
     p.add_argument(

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Any
 
 from specsplit.cli.common import (
+    add_draft_vocab_flags,
     add_drafter_flag,
     add_engine_flags,
     add_tuning_flags,
     apply_engine_overrides,
     apply_pipeline_overrides,
     check_engine_flags,
+    draft_vocab_overrides,
     engine_overrides,
 )
 
@@ -56,6 +59,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
     p.add_argument("--target-device", default=None, help="the target's device (default: --device)")
     add_engine_flags(p)
+    add_draft_vocab_flags(p)
     p.add_argument(
         "--overlap",
         action="store_true",
@@ -95,6 +99,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if dev:
             sec.device = dev
         apply_engine_overrides(sec, overrides)
+    vocab = draft_vocab_overrides(args)
+    if vocab:
+        cfg.draft = dataclasses.replace(cfg.draft, **vocab)  # validated again
     apply_pipeline_overrides(cfg, args)
     if args.overlap:
         if cfg.drafter != "model":

@@ -1,4 +1,5 @@
-"""``specsplit models fetch|list``: fetch offline weights into the cache and show what is cached."""
+"""``specsplit models fetch|list|rank-vocab``: fetch offline weights into the cache, show what is
+cached, and rank a tokenizer's vocabulary by the texts of a workload (for ``--draft-vocab``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--cache-dir", default=None)
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_cmd_list)
+    rv = msub.add_parser(
+        "rank-vocab",
+        help="rank a tokenizer's tokens by how often your texts use them (a --draft-vocab-ranking file)",
+    )
+    rv.add_argument("model", help="alias, local directory or HF id whose tokenizer ranks the tokens")
+    rv.add_argument("texts", nargs="+", help="text files of the workload (prompts, answers, code)")
+    rv.add_argument("--out", required=True, help="JSON file to write")
+    rv.set_defaults(func=_cmd_rank_vocab)
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -75,4 +84,21 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"  {spec.alias:<22} {spec.role:<7} {spec.description}")
     for pair, members in PAIRS.items():
         print(f"  {pair:<22} pair    {' + '.join(members)}")
+    return 0
+
+
+def _cmd_rank_vocab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specsplit.errors import ConfigError
+    from specsplit.models import load_tokenizer
+    from specsplit.runtime.vocab_subset import rank_from_texts, save_ranking
+
+    try:
+        texts = [Path(t).read_text(errors="replace") for t in args.texts]
+    except OSError as e:
+        raise ConfigError(f"cannot read {e.filename}: {e.strerror}") from None
+    ranked = rank_from_texts(load_tokenizer(args.model), texts)
+    save_ranking(args.out, ranked, source=f"{args.model}: {', '.join(args.texts)}")
+    print(f"{args.out}: {len(ranked)} distinct tokens from {len(texts)} file(s), most used first")
     return 0

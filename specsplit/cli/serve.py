@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specsplit.cli.common import (
+    add_draft_vocab_flags,
     add_drafter_flag,
     add_engine_flags,
     add_tuning_flags,
     check_engine_flags,
+    draft_vocab_overrides,
     engine_overrides,
 )
 
@@ -53,6 +55,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda:0 or cpu)")
     add_engine_flags(p)
+    add_draft_vocab_flags(p)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS, needs --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument(
@@ -331,6 +334,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter "
             "and --[no-]grpc-streams are target options"
         )
+    if args.role == "target" and draft_vocab_overrides(args):
+        raise ConfigError("--draft-vocab and --draft-vocab-ranking are draft options")
     if args.draft_timeout is not None and args.draft_timeout <= 0:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
     if args.drafter is not None:
@@ -366,7 +371,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "draft":
         from specsplit.engines.draft import DraftEngine
 
-        dcfg = DraftConfig(model=args.model, device=args.device, **common)
+        dcfg = DraftConfig(model=args.model, device=args.device, **common, **draft_vocab_overrides(args))
         engine = DraftEngine(_load(args, dcfg), config=dcfg)
     else:
         from specsplit.engines.target import TargetEngine
@@ -400,10 +405,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     info = engine.info()  # type: ignore[attr-defined]
+    head = getattr(getattr(engine, "runner", None), "head", None)
+    scored = f", drafts from the {head.ids.numel()} best-ranked tokens" if head is not None else ""
     print(f"READY {server.port}", flush=True)
     print(
         f"[specsplit] {args.role} worker: {info.model_name} ({info.dtype}, {info.device}, vocab "
-        f"{info.vocab_size}) on {args.host}:{server.port}{' with TLS' if tls else ''}"
+        f"{info.vocab_size}{scored}) on {args.host}:{server.port}{' with TLS' if tls else ''}"
         f"{f', {len(token.names)} client token(s) required' if token else ''}"
         f"{f', runs rounds with the draft worker at {args.draft_address}' if args.draft_address else ''}",
         file=sys.stderr,

@@ -23,6 +23,7 @@ from specsplit.messages import WorkerInfo
 from specsplit.runtime.graphs import GraphedRound, Workspace
 from specsplit.runtime.kv_cache import GROW_CHUNK, StaticKVCache
 from specsplit.runtime.runner import ModelRunner, sync_device
+from specsplit.runtime.vocab_subset import load_ranking
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class EngineBase(Generic[S]):
             fuse_projections=config.fuse_projections,
             # torch.compile cannot lower packed weights: compiled engines keep theirs unpacked
             pack_weights=False if config.compile and config.pack_weights is None else config.pack_weights,
+            **_vocab_subset(config),
         )
         self._store: SessionStore[S] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=self._on_evict, name=f"{self.role}-sessions"
@@ -262,3 +264,12 @@ class EngineBase(Generic[S]):
         tree_parents = parents if parents is not None else torch.zeros(0, dtype=torch.long)
         mask, pos2d = build_verify_attention(tree_parents, length, num_pending, self.runner.dtype)
         return self.runner.forward(ids.reshape(1, -1), pos2d, mask, cache, logits_to_keep=n + 1)
+
+
+def _vocab_subset(config: DraftConfig | TargetConfig) -> dict[str, Any]:
+    """The runner's restricted output layer, for a draft that asks for one (never for a target)."""
+    size = getattr(config, "vocab_subset", None)
+    if size is None:
+        return {}
+    path = getattr(config, "vocab_ranking", None)
+    return {"vocab_subset": size, "vocab_ranking": load_ranking(path) if path else None}

@@ -389,17 +389,7 @@ class BatchedTarget:
         return self._logits(ids, pos, mask, keep)
 
     def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-        out = self.runner.require()(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            **self.attention_kwargs,
-        )
-        logits: torch.Tensor = out.logits
-        return logits
+        return self.runner.logits(ids, pos, mask, self.cache, keep, **self.attention_kwargs)
 
     def _accept(self, rnd: _Round, choice: torch.Tensor, n: int) -> torch.Tensor:
         """Per row: the longest path of nodes whose token equals its parent row's ``choice``, the

@@ -137,16 +137,8 @@ class StaticForward:
 
     def _model_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The model call that ``torch.compile`` fuses (static buffers in, logits out)."""
-        out = self.runner.require()(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=ids.shape[1],
-            **self.runner.attention_kwargs,
-        )
-        return out.logits[0]
+        logits = self.runner.logits(ids, pos, mask, self.cache, ids.shape[1], **self.runner.attention_kwargs)
+        return logits[0]
 
     def _capture(self, b: _Buffers) -> None:
         # Capture on the model's own device (it need not be the current one). CAPTURE_LOCK: no other

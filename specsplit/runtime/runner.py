@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from specsplit.errors import ConfigError, InvalidRequest, ModelLoadError
 from specsplit.runtime.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.runtime.attention import install as install_attention
 from specsplit.runtime.kv_cache import StaticKVCache
-from specsplit.runtime.packed import pack_linears, packable
+from specsplit.runtime.packed import PackedLinear, pack_linears, packable
+from specsplit.runtime.vocab_subset import SubsetHead, special_ids, subset_ids
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,10 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str | None) ->
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
+
+# Config fields of models whose logits are more than the output layer's product (the restricted
+# output layer computes only that product).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 # ``h2d`` is the runtime's name for the pinned, non-blocking host-to-device copy.
 h2d = to_device
@@ -52,6 +58,9 @@ class ModelRunner:
             prefix length (:mod:`specsplit.runtime.attention`); ``"sdpa"``: only from long prefixes on.
         pack_weights: pack the linear layers' weights for the CPU (:mod:`specsplit.runtime.packed`),
             in place; ``None``: only a model this runner loads itself, when it is float32 on a CPU.
+        vocab_subset: score only this many best-ranked tokens in the output layer (a draft's
+            option, :mod:`specsplit.runtime.vocab_subset`); the model itself is left as it is.
+        vocab_ranking: token ids, best first, for ``vocab_subset`` (``None``: id order).
     """
 
     def __init__(
@@ -65,6 +74,8 @@ class ModelRunner:
         fuse_projections: bool = False,
         attention_kernel: str = "sdpa",
         pack_weights: bool | None = None,
+        vocab_subset: int | None = None,
+        vocab_ranking: Sequence[int] | None = None,
     ):
         if pack_weights and fuse_projections:
             raise ConfigError("pack_weights and fuse_projections exclude each other: packing is for the "
@@ -74,6 +85,8 @@ class ModelRunner:
         self._fold_gqa = fold_gqa
         self._fuse = fuse_projections
         self._attention_kernel = attention_kernel
+        self._vocab_subset, self._vocab_ranking = vocab_subset, vocab_ranking
+        self.head: SubsetHead | None = None  # the restricted output layer, when vocab_subset is set
         self.attention_kwargs: dict[str, Any] = {}  # reach the attention function on every forward
         self.model_name = model_name or (getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         self._device = device
@@ -134,6 +147,15 @@ class ModelRunner:
             if not packable(model):
                 raise ConfigError("pack_weights needs a float32 model on a CPU and a torch with oneDNN")
             pack_linears(model)
+        if self._vocab_subset is not None and self._vocab_subset < self.vocab_size:
+            scaled = [a for a in _LOGIT_TRANSFORMS if getattr(cfg, a, None) not in (None, 1.0)]
+            if scaled:
+                raise ConfigError(f"vocab_subset: this model transforms its logits ({', '.join(scaled)}), "
+                                  "which the restricted output layer would skip")  # fmt: skip
+            head = model.get_output_embeddings()
+            ids = subset_ids(self.vocab_size, self._vocab_subset, self._vocab_ranking, special_ids(model))
+            self.head = SubsetHead(head, ids, pack=isinstance(head, PackedLinear))
+            logger.info("the output layer scores %d of %d tokens", ids.numel(), self.vocab_size)
 
     def require(self) -> torch.nn.Module:
         if self.model is None:
@@ -166,20 +188,44 @@ class ModelRunner:
         Returns:
             `[logits_to_keep, vocab]` (or `[k, vocab]`) logits (on the output device).
         """
-        model = self.require()
         dev = self.input_device
-        out = model(
-            input_ids=h2d(input_ids, dev),
-            position_ids=h2d(position_ids, dev),
-            attention_mask=h2d(mask, dev),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
+        logits = self.logits(
+            h2d(input_ids, dev),
+            h2d(position_ids, dev),
+            h2d(mask, dev),
+            cache,
+            logits_to_keep,
             **self.attention_kwargs,
             **attention_kwargs,
         )
         self.forward_count += 1
-        return out.logits[0]
+        return logits[0]
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+        logits_to_keep: int | torch.Tensor,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """The model's call on device tensors: `[B, k, vocab]` logits of the kept rows, through the
+        restricted output layer when there is one (``kwargs`` reach the model's attention)."""
+        model: Any = self.require()
+        if self.head is None:
+            out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                        past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
+            logits: torch.Tensor = out.logits
+            return logits
+        hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                     past_key_values=cache, use_cache=True, **kwargs).last_hidden_state  # fmt: skip
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden.index_select(1, logits_to_keep.to(hidden.device))
+        elif logits_to_keep:  # 0 keeps every row, as in transformers
+            hidden = hidden[:, -logits_to_keep:]
+        out_logits: torch.Tensor = self.head(hidden)
+        return out_logits
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         return StaticKVCache(self.num_layers, max(capacity, 16))
