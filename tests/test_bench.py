@@ -458,6 +458,7 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
                     "specsplit-suffix",
                     "specsplit-hybrid",
                     "specsplit-auto",
+                    "specsplit-auto-chain",
                     "specsplit-chain",
                     "specsplit-dynamic",
                 )
@@ -674,7 +675,7 @@ _OPTIONAL_NAMES = (
     "specsplit-grpc-targetloop-dynamic-noipc", "specsplit-target-only-prefill", "specsplit-dynamic-prefill",
     "specsplit-target-only-prefill-compiled", "specsplit-dynamic-prefill-compiled",
     "specsplit-ngram", "specsplit-ngram-compiled", "specsplit-suffix", "specsplit-suffix-compiled",
-    "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
+    "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled", "specsplit-auto-chain",
     "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
 )  # fmt: skip
 
@@ -715,7 +716,8 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         model_tree = (
             "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
         )  # drafters: the dynamic tree
-        assert spec.tree == ("static" if "static" in name else "dynamic" if "dynamic" in name else model_tree)
+        named = next((t for t in ("static", "dynamic", "chain") if t in name), model_tree)
+        assert spec.tree == named, name
 
 
 def test_spec_fields_drive_the_built_config() -> None:

@@ -215,6 +215,9 @@ _TABLE = (
                 compile=True),
     DecoderSpec("specsplit-auto", _AUTO, tree="dynamic", drafter="auto"),
     DecoderSpec("specsplit-auto-compiled", f"{_AUTO}, {_COMPILED}", tree="dynamic", drafter="auto", compile=True),
+    # auto with the chain of K as the model's tree: on a CPU a verification grows with its nodes, and
+    # a chain of 4 costs about one row there (packed weights) where a 24-node tree does not.
+    DecoderSpec("specsplit-auto-chain", _AUTO, tree="chain", drafter="auto"),
     # The model draft with a restricted output layer (DraftConfig.vocab_subset), beside the same
     # decoders with the whole vocabulary.
     DecoderSpec("specsplit-chain-frspec", f"{_LOCAL}, {_FRSPEC}", tree="chain", draft_vocab=True),
