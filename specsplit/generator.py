@@ -443,7 +443,6 @@ class SpecSplitGenerator:
                 do_sample,
                 self.config.tuning.ngram.max_nodes,
                 self._padded_trees(),
-                model_depth=self.config.tree.depth_limit,
             ),
             return_scores=bool(gc.output_scores),
             return_logits=bool(gc.output_logits),

@@ -176,52 +176,6 @@ def test_auto_probes_the_model_ever_less_often_while_it_loses():
     assert arms[-1] == "ngram" and len(probes) < 15
 
 
-def _generation(cm: CostModel, model_commits: int, rounds: int = 40) -> list[str]:
-    """One generation's arms when a model round commits ``model_commits`` tokens and an n-gram
-    proposal's nodes are never accepted (a text the model drafts well or badly, nothing to copy)."""
-    gen = cm.generation()
-    arms = []
-    for _ in range(rounds):
-        plan = cm.plan([0.5, 0.4], model_available=True, gen=gen)
-        arms.append(plan.arm)
-        nodes = plan.ngram_size + 4 * plan.model
-        committed = model_commits if plan.model else 1
-        round_s = STEEP.fixed + STEEP.verify(nodes) + (STEEP.model if plan.model else 0.0)
-        scores = [0.5, 0.4][: plan.ngram_size]
-        cm.observe(plan, nodes, round_s - STEEP.fixed, round_s, STEEP.model if plan.model else 0.0, committed,
-                   scores, [False] * len(scores), gen)  # fmt: skip
-    return arms
-
-
-def test_auto_judges_the_model_per_generation():
-    """A draft that pays on one text and not on another: each generation probes it early and keeps
-    it where it wins, whatever the earlier generations said."""
-    cm = CostModel("auto", model_nodes=4, costs=STEEP, probe_every=4, model_depth=4)
-    for _ in range(4):
-        chat = _generation(cm, model_commits=1)  # the model's tokens are rejected
-        assert chat.count("model") <= 6 and chat[-1] != "model"
-    code = _generation(cm, model_commits=5)  # the model drafts this one well
-    assert code.count("model") >= 30, code
-    chat = _generation(cm, model_commits=1)
-    assert chat.count("model") <= 6 and chat[-1] != "model"
-
-
-def test_generations_do_not_probe_a_model_that_could_not_win():
-    """Where even the model's best generation so far would lose to the other arms (a draft almost
-    as slow as its target), a generation does not probe it."""
-    slow = FixedCosts(fixed=0.001, verify=lambda n: 0.010 * (1 + 0.25 * n), model=0.200)
-    cm = CostModel("auto", model_nodes=4, costs=slow, probe_every=4, model_depth=4)
-    gen = cm.generation()
-    probes = 0
-    for _ in range(60):
-        plan = cm.plan([0.5, 0.4], model_available=True, gen=gen)
-        probes += plan.model
-        cm.observe(plan, 4 * plan.model, 0.01, 0.02, 0.2 if plan.model else 0.0, 3 if plan.model else 1,
-                   gen=gen)  # fmt: skip
-    assert probes <= 3  # the shared first measurements only
-    assert all(not cm.plan([0.5, 0.4], True, cm.generation()).model for _ in range(5))
-
-
 def test_hybrid_always_drafts_with_the_model_and_model_mode_never_plans_ngram():
     hybrid = CostModel("hybrid", model_nodes=8, costs=FLAT)
     assert hybrid.plan([0.9, 0.8], model_available=True).model

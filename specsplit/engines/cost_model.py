@@ -21,12 +21,6 @@ target steps: SpecSplit is never (for long) slower than its own target-only deco
 model draft are probed now and then (like :class:`~specsplit.pipeline.overlap.OverlapPolicy`),
 ever less often while they lose.
 
-Whether a model draft pays depends on the text: on a CPU a chain of four wins on new code and loses
-on chat. So each generation keeps its own view of the model arm (:class:`GenerationArms`): its own
-tokens a model round, and its own probes, early and then ever less often. A generation probes only
-when the model could win that round: a round of its tree with every node accepted must beat the
-best other arm. A probe then costs little, and a draft too slow to win even so is not probed.
-
 Deterministic under test: :class:`FixedCosts` injects the costs, and nothing here is random.
 """
 
@@ -46,7 +40,6 @@ _CAL_BINS = 10
 _CAL_PRIOR = 4.0  # pseudo-observations at the raw score, per calibration bin
 _EMA = 0.2
 _WINDOW = 5  # samples a cost estimate keeps
-_GEN_PROBE_GAP = 8  # rounds before a generation probes the model a third time (doubling after each probe)
 
 
 @dataclass(frozen=True)
@@ -72,24 +65,6 @@ class RoundPlan:
         if self.model:
             return "hybrid" if self.ngram_size else "model"
         return "ngram" if self.ngram_size else "none"
-
-
-@dataclass
-class GenerationArms:
-    """One generation's view of the model arm (see the module docstring); the loop makes one per
-    generation with :meth:`CostModel.generation` and passes it to ``plan`` and ``observe``.
-
-    Attributes:
-        rounds: rounds of this generation so far.
-        model_rounds / model_tokens: its rounds with the model's tree alone and what they committed.
-        next_probe / probe_gap: the round of its next probe of the model, and the gap after it.
-    """
-
-    rounds: int = 0
-    model_rounds: int = 0
-    model_tokens: float = 0.0
-    next_probe: int = 0
-    probe_gap: int = 1  # two probes in a row first: a generation's own estimate needs two rounds
 
 
 @dataclass
@@ -223,7 +198,6 @@ class CostModel:
     Args:
         mode: ``"model"``, ``"ngram"``, ``"suffix"``, ``"hybrid"`` or ``"auto"``.
         model_nodes: nodes of the model draft's tree (its shape's budget).
-        model_depth: its deepest node (0: unknown).
         max_ngram: most n-gram nodes a round may verify.
         padded: n-gram trees are padded to a few sizes (a target on the CUDA-graph path) rather
             than verified at exactly the size a round needs.
@@ -241,12 +215,11 @@ class CostModel:
         costs: FixedCosts | None = None,
         probe_every: int = 32,
         max_probe_every: int = 1024,
-        model_depth: int = 0,
     ):
         if mode not in MODES:
             raise ValueError(f"drafter must be one of {MODES}, got {mode!r}")
         self.mode = mode
-        self.model_nodes, self.model_depth = model_nodes, model_depth
+        self.model_nodes = model_nodes
         self.padded = padded
         self.sizes = tree_sizes(max_ngram, padded) if max_ngram > 0 else ()
         self.costs = costs
@@ -298,41 +271,17 @@ class CostModel:
             out.append(out[-1] + p(s))
         return out
 
-    def generation(self) -> GenerationArms:
-        """A new generation's view of the model arm."""
-        return GenerationArms()
-
-    def plan(
-        self, scores: Sequence[float], model_available: bool, gen: GenerationArms | None = None
-    ) -> RoundPlan:
+    def plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
         """This round's drafting, from the n-gram proposal's scores (empty: no match).
 
         Args:
             scores: scores of the n-gram proposal's nodes (any order).
             model_available: a model draft can run this round.
-            gen: this generation's view of the model arm (``None``: the shared one only).
         """
         with self._lock:
-            return self._plan(scores, model_available, gen)
+            return self._plan(scores, model_available)
 
-    def _model_tau(self, gen: GenerationArms | None) -> float | None:
-        """Tokens a round with the model's tree: this generation's own average once it has two
-        rounds (the text decides), the shared estimate counted as one more round before."""
-        if gen is None or gen.model_rounds == 0 or self.model_tau is None:
-            return self.model_tau
-        if gen.model_rounds >= 2:
-            return gen.model_tokens / gen.model_rounds
-        return (gen.model_tokens + self.model_tau) / (gen.model_rounds + 1)
-
-    def _probe_due(self, gen: GenerationArms | None, alone: RoundPlan, best_other: RoundPlan) -> bool:
-        if gen is None:
-            return self.rounds >= self._next_probe
-        if gen.rounds < gen.next_probe:
-            return False
-        best = max(float(self.model_depth + 1), alone.expected)  # every node of its path accepted
-        return best * _rate(alone) / alone.expected >= _rate(best_other)
-
-    def _plan(self, scores: Sequence[float], model_available: bool, gen: GenerationArms | None) -> RoundPlan:
+    def _plan(self, scores: Sequence[float], model_available: bool) -> RoundPlan:
         mode = self.mode
         if mode == "model":
             return RoundPlan(model=model_available, ngram_size=0)
@@ -348,8 +297,7 @@ class CostModel:
         # Arms with the model's tree: its tokens a round are measured on rounds that use it alone.
         t_model = self._t_model()
         measured = t_model is not None and self.model_tau is not None
-        model_tau = self._model_tau(gen)
-        tau = model_tau if model_tau is not None else 1.0
+        tau = self.model_tau if self.model_tau is not None else 1.0
         base = fixed + (t_model or 0.0)
         alone = RoundPlan(True, 0, tau, base + self._t_verify(self.model_nodes))
         merged = [
@@ -363,7 +311,7 @@ class CostModel:
         ]
         if mode == "hybrid":
             return max([alone, *merged], key=_rate)
-        if not measured or self._probe_left > 0 or self._probe_due(gen, alone, max(arms, key=_rate)):
+        if not measured or self._probe_left > 0 or self.rounds >= self._next_probe:
             return RoundPlan(True, 0, alone.expected, alone.seconds, probe=True)
         return max([*arms, alone, *merged], key=_rate)
 
@@ -389,7 +337,6 @@ class CostModel:
         committed: int,
         ngram_scores: Sequence[float] = (),
         ngram_accepted: Sequence[bool] = (),
-        gen: GenerationArms | None = None,
     ) -> None:
         """One finished round.
 
@@ -401,12 +348,9 @@ class CostModel:
             committed: tokens the round committed (accepted + 1, before stop conditions).
             ngram_scores / ngram_accepted: the n-gram nodes' scores and whether each was accepted
                 (pure n-gram rounds calibrate the scores).
-            gen: the generation's view of the model arm that ``plan`` was given.
         """
         with self._lock:
             self.rounds += 1
-            if gen is not None:
-                self._observe_generation(gen, plan, committed)
             if plan.model:
                 self._observe_model(plan, nodes, draft_s, verify_s, committed, ngram_scores)
             else:
@@ -414,16 +358,6 @@ class CostModel:
                 self._fixed.add(max(round_s - verify_s, 0.0))
                 if plan.ngram_size:
                     self.cal.add(ngram_scores, ngram_accepted)
-
-    def _observe_generation(self, gen: GenerationArms, plan: RoundPlan, committed: int) -> None:
-        gen.rounds += 1
-        if not plan.model or plan.ngram_size:
-            return
-        gen.model_rounds += 1
-        gen.model_tokens += committed
-        if plan.probe:
-            gen.next_probe = gen.rounds + gen.probe_gap
-            gen.probe_gap = _GEN_PROBE_GAP if gen.probe_gap == 1 else 2 * gen.probe_gap
 
     def _observe_model(
         self,
@@ -470,20 +404,11 @@ class CostModels:
         self._lock = threading.Lock()
 
     def get(
-        self,
-        mode: str,
-        tree_key: str,
-        model_nodes: int,
-        do_sample: bool,
-        max_ngram: int,
-        padded: bool,
-        model_depth: int = 0,
+        self, mode: str, tree_key: str, model_nodes: int, do_sample: bool, max_ngram: int, padded: bool
     ) -> CostModel:
         key = (mode, tree_key, do_sample, max_ngram, padded)
         with self._lock:
             model = self._models.get(key)
             if model is None:
-                model = self._models[key] = CostModel(
-                    mode, model_nodes, max_ngram, padded, model_depth=model_depth
-                )
+                model = self._models[key] = CostModel(mode, model_nodes, max_ngram, padded)
             return model

@@ -159,10 +159,7 @@ class _Generation:
             self.ngram = drafter.session(prompt)
             max_ngram = drafter.settings.max_nodes
         self.capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + max_ngram + 8
-        self.cost = params.cost or CostModel(
-            self.mode, params.tree.max_nodes, max_ngram, model_depth=params.tree.depth_limit
-        )
-        self.arms = self.cost.generation()  # this generation's view of the model arm
+        self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
         self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
         self.ngram_scores: list[float] = []
         self.ngram_offset = 0  # index of the first n-gram node in the round's tree
@@ -191,7 +188,7 @@ class _Generation:
             self.plan = RoundPlan(model=self.use_draft, ngram_size=0)
         else:
             proposal = self.ngram.propose()
-            self.plan = self.cost.plan(proposal.scores, self.use_draft, self.arms)
+            self.plan = self.cost.plan(proposal.scores, self.use_draft)
         tree, dres = TokenTree.empty(), None
         if self.plan.model:
             dres = self._model_draft(remaining)
@@ -339,7 +336,7 @@ class _Generation:
             acc = set(vres.accepted_node_indices)
             flags = [start + i in acc for i in range(len(self.ngram_scores))]
             self.cost.observe(self.plan, vres.num_nodes, rs.verify_s, t3 - t0, rs.draft_s,
-                              len(vres.accepted_token_ids) + 1, self.ngram_scores, flags, self.arms)  # fmt: skip
+                              len(vres.accepted_token_ids) + 1, self.ngram_scores, flags)  # fmt: skip
         return rs
 
     def close(self) -> None:

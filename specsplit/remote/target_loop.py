@@ -301,7 +301,6 @@ def decode_params(
             req.sampling.do_sample,
             drafting.ngram.max_nodes,
             drafting.padded,
-            model_depth=req.tree.depth_limit,
         ),
         processing=req.processing,
         draft_processing=req.processing
