@@ -4,7 +4,7 @@
 Here (a machine with PyPI)::
 
     python scripts/gpu_prepare.py split     # .models/: GGUF chunks + manifest.json; .whl/: wheels
-    python scripts/gpu_prepare.py plan      # which paths to carry in which call (<= 62 MiB each)
+    python scripts/gpu_prepare.py plan      # which paths to carry in which call (beside the working tree)
 
 There (the GPU machine, repository root; ``scripts/gpu_assemble.sh`` wraps this)::
 
@@ -220,8 +220,22 @@ def _selected(manifest: dict[str, Any], names: str) -> list[dict[str, Any]]:
     return found
 
 
+CALL_LIMIT = CARRY_LIMIT_MIB * MIB
+
+
+def tree_bytes(root: Path = ROOT) -> int:
+    """Bytes of the working tree a device call copies: tracked files and untracked, not ignored ones."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root, capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    files = (root / f.decode() for f in out.split(b"\0") if f)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print, one line per device call, the ``carry`` paths that fit in ``--budget-mib`` MiB (first fit)."""
+    """Print, one line per device call, the ``carry`` paths that fit in ``--budget-mib`` MiB (first fit;
+    default: what the working tree leaves of a call's 64 MiB)."""
     models_dir = Path(args.models_dir)
     manifest = json.loads((models_dir / MANIFEST).read_text())
     items: list[tuple[str, int]] = [(_rel(models_dir / MANIFEST), (models_dir / MANIFEST).stat().st_size)]
@@ -230,7 +244,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         items.append((_rel(wheels), sum(w.stat().st_size for w in wheels.glob("*.whl"))))
     for m in _selected(manifest, args.models):
         items += [(_rel(models_dir / m["alias"] / c["name"]), c["size"]) for c in m["chunks"]]
-    budget = args.budget_mib * MIB
+    budget = args.budget_mib * MIB if args.budget_mib else CALL_LIMIT - tree_bytes() - MIB
+    too_big = [p for p, size in items if size > budget]
+    if too_big:
+        raise SystemExit(
+            f"{len(too_big)} chunk(s) exceed the {budget / MIB:.1f} MiB a call has left beside the working "
+            f"tree: split again with a smaller --chunk-mib (at most {int(budget // MIB)})"
+        )
     calls: list[tuple[list[str], int]] = []
     for path, size in sorted(items, key=lambda x: -x[1]):  # first fit, largest first
         for group in calls:
@@ -312,13 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     s = sub.add_parser("split", help="(here) chunk the GGUF files, write the manifest, download wheels")
     s.add_argument("--models", default="qwen2.5-coder-pair", help="aliases or pairs, comma-separated")
-    s.add_argument("--chunk-mib", type=int, default=60)
+    s.add_argument(
+        "--chunk-mib", type=int, default=48, help="chunk size (a call also copies the working tree)"
+    )
     s.add_argument("--no-wheels", action="store_true")
     s.add_argument("--no-grpc", action="store_true", help="do not carry grpcio/protobuf (no gRPC decoder)")
     s.set_defaults(func=cmd_split)
     p = sub.add_parser("plan", help="(here) group the paths to carry into device calls")
     p.add_argument("--models", default="qwen2.5-coder-pair", help="aliases or pairs, comma-separated, or all")
-    p.add_argument("--budget-mib", type=int, default=62, help="per call, leaving room for the working tree")
+    p.add_argument(
+        "--budget-mib", type=int, default=None, help="per call (default: 64 MiB less the working tree's size)"
+    )
     p.set_defaults(func=cmd_plan)
     a = sub.add_parser("assemble", help="(GPU machine) verify, join and convert into $SPECSPLIT_CACHE")
     a.add_argument("--models", default="qwen2.5-coder-pair", help="aliases or pairs, comma-separated, or all")
