@@ -252,10 +252,14 @@ def test_target_only_cuda_graphs_exact(llama_target, rounds):
         assert (bool(graphs) and all(g is not None for g in graphs)) if rounds else not graphs
 
 
+@pytest.mark.parametrize("vocab", [None, 128], ids=["full-vocab", "draft-vocab-128"])
 @pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
 @pytest.mark.parametrize("graphs", [False, True, "target-rounds"])
-def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape, graphs, outcome_reads):
-    """Inside a round the only device-to-host read is the verification outcome (one copy)."""
+def test_no_hidden_host_syncs_in_a_round(
+    llama_target, llama_draft_random, shape, graphs, vocab, outcome_reads
+):
+    """Inside a round the only device-to-host read is the verification outcome (one copy), also with
+    a draft whose output layer scores a subset of the vocabulary."""
     import copy
 
     ddev, tdev = _devices()
@@ -264,7 +268,9 @@ def test_no_hidden_host_syncs_in_a_round(llama_target, llama_draft_random, shape
     reads = outcome_reads
     cfg = SpecSplitConfig(
         tree=TreeConfig(shape=shape),
-        draft=DraftConfig(device=ddev, cuda_graphs=bool(graphs), tuning=EngineTuning(graph_capacity=512)),
+        draft=DraftConfig(
+            device=ddev, cuda_graphs=bool(graphs), tuning=EngineTuning(graph_capacity=512), vocab_subset=vocab
+        ),
         target=TargetConfig(
             device=tdev,
             cuda_graphs=bool(graphs),
