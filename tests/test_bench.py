@@ -866,6 +866,9 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
         assert len(c["clients"]) == c["batch"] and all(r["prompt_id"] for r in c["clients"])
         assert min(r["vs_alone"] for r in c["clients"]) == c["client_vs_alone_min"]
         assert min(r["tok_s"] for r in c["clients"]) == c["client_tok_s_min"]
+        # the first new tokens arrive within the generation, the slowest first one is the max
+        assert all(0 < r["first_token_ms"] <= 1e3 * r["tokens"] / r["tok_s"] for r in c["clients"])
+        assert max(r["first_token_ms"] for r in c["clients"]) == c["first_token_ms_max"]
     report = next(out.glob("clients-*.md")).read_text()
     assert report.count("grpc-model-clientloop") >= 2 and "- 3 clients, grpc-plain: " in report
 
@@ -898,6 +901,6 @@ def test_client_processes_generate_what_client_threads_generate(tmp_path: Path) 
             procs.close()
     finally:
         workers.close()
-    assert [t for t, _ in by_processes] == [t for t, _ in by_threads] == [t for t, _ in again]
-    assert all(t > 0 and 0 < s <= wall for t, s in by_processes) and wall < 120
+    assert [c.tokens for c in by_processes] == [c.tokens for c in by_threads] == [c.tokens for c in again]
+    assert all(c.tokens > 0 and 0 < c.first_s <= c.seconds <= wall for c in by_processes) and wall < 120
     assert not any(p.is_alive() for p in procs.procs)

@@ -674,6 +674,66 @@ def test_batched_chain_drafts_on_cuda_graphs_equal_hf_greedy(llama_target):
     assert pool.captures >= 3
 
 
+def test_batched_prefill_from_graphs_writes_what_eager_groups_write(llama_target):
+    """Joining rows' prompts written from graphs of bucketed shapes (padding rows in the spare slot)
+    leave every slot with the KV the eager groups write, beside live rows they must not touch; the
+    second call of a shape replays its graph."""
+    import copy
+
+    from specsplit.engines.batched import BatchedTarget
+    from specsplit.runtime.runner import ModelRunner
+
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    runner = ModelRunner(target, None, "cuda:0", None, "float32")
+    graphed = BatchedTarget(runner, slots=8, capacity=128)
+    eager = BatchedTarget(runner, slots=8, capacity=128, use_graphs=False)
+    live = [[5, 6, 7, 8, 9, 10, 11]]
+    joining = sorted(([p[:-1] for p in PROMPTS] + [[], [3] * 40]), key=len)[:7]
+    for pool in (graphed, eager):
+        pool.prefill(0, live)
+        pool.prefill(1, joining)
+    assert graphed.captures >= 1
+    for b, p in enumerate(live + joining):
+        torch.testing.assert_close(
+            graphed.cache.kv[:, :, b, :, : len(p)], eager.cache.kv[:, :, b, :, : len(p)], rtol=1e-5, atol=1e-5
+        )
+    before = graphed.captures
+    graphed.cache.kv[:, :, 1:8].zero_()
+    graphed.prefill(1, joining)  # the same shapes: replays only
+    assert graphed.captures == before
+    for b, p in enumerate(joining, start=1):
+        torch.testing.assert_close(
+            graphed.cache.kv[:, :, b, :, : len(p)], eager.cache.kv[:, :, b, :, : len(p)], rtol=1e-5, atol=1e-5
+        )
+
+
+def test_batched_prefill_shapes_captured_up_front_serve_any_group(llama_target):
+    """A worker captures every prompt-forward shape at start: groups of any composition then only
+    replay, and write what the eager groups write."""
+    import copy
+
+    from specsplit.engines.batched import PREFILL_TOKENS, BatchedTarget
+    from specsplit.runtime.runner import ModelRunner
+
+    target = copy.deepcopy(llama_target).to("cuda:0")
+    runner = ModelRunner(target, None, "cuda:0", None, "float32")
+    pool = BatchedTarget(runner, slots=8, capacity=96)
+    eager = BatchedTarget(runner, slots=8, capacity=96, use_graphs=False)
+    n = pool.capture_prefills()
+    # widths 16, 32, 64, 96 (the capacity) x rows 1..8
+    assert n == 4 * 4 and all(r * w <= PREFILL_TOKENS for r, w in pool._prefills)
+    assert eager.capture_prefills() == 0
+    prompts = [list(range(5, 5 + k)) for k in (3, 17, 40, 90, 1)]
+    for p in (pool, eager):
+        p.prefill(0, prompts[:2])
+        p.prefill(2, prompts[2:])
+    assert pool.captures == n
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(
+            pool.cache.kv[:, :, b, :, : len(p)], eager.cache.kv[:, :, b, :, : len(p)], rtol=1e-5, atol=1e-5
+        )
+
+
 def test_batched_capture_warms_up_on_the_staged_inputs(llama_target, monkeypatch):
     """A capture's warm-up (on a side stream) reads the inputs just staged, even while the current
     stream is still busy: it must wait for the snapshot it restores them from."""

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -270,12 +270,13 @@ def _client_cells(
                     wall, per = clients.once(rows, m, opts.max_new_tokens)
                 finally:
                     clients.close()
-                tokens = sum(t for t, _ in per)
-                speeds = sorted(t / s for t, s in per if s > 0)
+                tokens = sum(c.tokens for c in per)
+                speeds = sorted(c.tokens / c.seconds for c in per if c.seconds > 0)
                 # each client against its own prompt decoded alone (answers differ in length)
-                vs_alone = sorted((t / s) / alone[r.id] for (t, s), r in zip(per, rows, strict=True)
-                                  if s > 0 and alone.get(r.id))  # fmt: skip
-                tpt = sorted(1e3 * s / max(t, 1) for t, s in per)
+                vs_alone = sorted((c.tokens / c.seconds) / alone[r.id] for c, r in zip(per, rows, strict=True)
+                                  if c.seconds > 0 and alone.get(r.id))  # fmt: skip
+                tpt = sorted(1e3 * c.seconds / max(c.tokens, 1) for c in per)
+                firsts = sorted(c.first_s for c in per if c.first_s is not None)
                 cells.append({
                     "decoder": name, "batch": n, "wall_s": wall, "walls_s": [wall], "tokens": tokens,
                     "tok_s": tokens / wall if wall > 0 else 0.0,
@@ -286,11 +287,15 @@ def _client_cells(
                     "client_vs_alone_min": vs_alone[0] if vs_alone else None,
                     "client_vs_alone_p50": vs_alone[len(vs_alone) // 2] if vs_alone else None,
                     "client_vs_alone_max": vs_alone[-1] if vs_alone else None,
-                    # per client: which prompt, its speed, and that against the prompt alone
+                    "first_token_ms_p50": 1e3 * firsts[len(firsts) // 2] if firsts else None,
+                    "first_token_ms_max": 1e3 * firsts[-1] if firsts else None,
+                    # per client: which prompt, its tokens, speed, first token, and speed against the prompt alone
                     "clients": [
-                        {"prompt_id": r.id, "category": r.category, "tok_s": t / s if s > 0 else 0.0,
-                         "vs_alone": (t / s) / alone[r.id] if s > 0 and alone.get(r.id) else None}
-                        for (t, s), r in zip(per, rows, strict=True)
+                        {"prompt_id": r.id, "category": r.category, "tokens": c.tokens,
+                         "tok_s": c.tokens / c.seconds if c.seconds > 0 else 0.0,
+                         "first_token_ms": 1e3 * c.first_s if c.first_s is not None else None,
+                         "vs_alone": (c.tokens / c.seconds) / alone[r.id] if c.seconds > 0 and alone.get(r.id) else None}
+                        for c, r in zip(per, rows, strict=True)
                     ],
                     "rows_checked": 0, "rows_identical": 0,
                     "peak_gpu_bytes": workers.peak_gpu_bytes(),
@@ -309,8 +314,8 @@ def _alone_speeds(gen: Any, rows: list[BenchPrompt], m: BenchModels, max_new: in
         speeds: dict[str, float] = {}
         for r in rows:
             if r.id not in speeds:
-                _, [(t, sec)] = _clients_once([gen], [r], m, max_new)
-                speeds[r.id] = t / sec if sec > 0 else 0.0
+                _, [c] = _clients_once([gen], [r], m, max_new)
+                speeds[r.id] = c.tokens / c.seconds if c.seconds > 0 else 0.0
         return speeds
     finally:
         gen.close()
@@ -378,12 +383,12 @@ class _ClientWorkers:
 
 def _clients_once(
     gens: list[Any], rows: list[BenchPrompt], m: BenchModels, max_new: int
-) -> tuple[float, list[tuple[int, float]]]:
-    """Every client (a thread each) generates its prompt at once; ``(wall, [(tokens, seconds)] per client)``."""
+) -> tuple[float, list[ClientRun]]:
+    """Every client (a thread each) generates its prompt at once; ``(wall, [ClientRun] per client)``."""
     gc = m.generation_config(max_new)
     pairs = list(zip(gens, rows, strict=True))
 
-    def client(i: int) -> tuple[int, float]:
+    def client(i: int) -> ClientRun:
         return _timed_generate(pairs[i][0], pairs[i][1].input_ids, gc, m.eos_token_ids)
 
     return together([functools.partial(client, i) for i in range(len(pairs))])
@@ -418,20 +423,46 @@ def together(calls: list[Callable[[], T]]) -> tuple[float, list[T]]:
     return wall, out
 
 
-def _timed_generate(gen: Any, input_ids: list[int], gc: Any, eos: list[int]) -> tuple[int, float]:
-    """One client's generation: ``(new tokens up to EOS, seconds)``."""
+class ClientRun(NamedTuple):
+    """One client's generation: new tokens up to EOS, its seconds, and the seconds to its first
+    new tokens (None when nothing came)."""
+
+    tokens: int
+    seconds: float
+    first_s: float | None
+
+
+class _FirstTokens:
+    """An HF-style streamer noting when the first new tokens arrive (its first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _timed_generate(gen: Any, input_ids: list[int], gc: Any, eos: list[int]) -> ClientRun:
+    """One client's generation, timed."""
+    first = _FirstTokens()
     t0 = time.perf_counter()
-    out = gen.generate(torch.tensor([input_ids]), generation_config=gc)
-    return len(_until_eos(out[0, len(input_ids) :].tolist(), eos)), time.perf_counter() - t0
+    out = gen.generate(torch.tensor([input_ids]), generation_config=gc, streamer=first)
+    took = time.perf_counter() - t0
+    tokens = len(_until_eos(out[0, len(input_ids) :].tolist(), eos))
+    return ClientRun(tokens, took, first.at - t0 if first.at is not None else None)
 
 
 class _Clients:
     """N concurrent clients, each with its own generator over gRPC."""
 
-    def once(
-        self, rows: list[BenchPrompt], m: BenchModels, max_new: int
-    ) -> tuple[float, list[tuple[int, float]]]:
-        """Every client generates its row's prompt at once; ``(wall, [(tokens, seconds)] per client)``."""
+    def once(self, rows: list[BenchPrompt], m: BenchModels, max_new: int) -> tuple[float, list[ClientRun]]:
+        """Every client generates its row's prompt at once; ``(wall, [ClientRun] per client)``."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -447,9 +478,7 @@ class _ClientThreads(_Clients):
 
         self.gens = [SpecSplitGenerator(tokenizer=tokenizer, config=copy.deepcopy(cfg)) for _ in range(n)]
 
-    def once(
-        self, rows: list[BenchPrompt], m: BenchModels, max_new: int
-    ) -> tuple[float, list[tuple[int, float]]]:
+    def once(self, rows: list[BenchPrompt], m: BenchModels, max_new: int) -> tuple[float, list[ClientRun]]:
         return _clients_once(self.gens, rows, m, max_new)
 
     def close(self) -> None:
@@ -481,9 +510,7 @@ class _ClientProcesses(_Clients):
             self.close()
             raise
 
-    def once(
-        self, rows: list[BenchPrompt], m: BenchModels, max_new: int
-    ) -> tuple[float, list[tuple[int, float]]]:
+    def once(self, rows: list[BenchPrompt], m: BenchModels, max_new: int) -> tuple[float, list[ClientRun]]:
         gc = m.generation_config(max_new)
         for pipe, row in zip(self.pipes, rows, strict=True):
             pipe.send(("run", row.input_ids, gc, m.eos_token_ids))
@@ -491,7 +518,7 @@ class _ClientProcesses(_Clients):
         t0 = time.perf_counter()
         per = [_reply(pipe) for pipe in self.pipes]
         # a client may leave the barrier before this process is scheduled again
-        return max(time.perf_counter() - t0, *(sec for _, sec in per)), per
+        return max(time.perf_counter() - t0, *(c.seconds for c in per)), per
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -628,8 +655,9 @@ def batch_markdown(result: dict[str, Any]) -> str:
 def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
     lines = head + [
         "| clients | decoder | tok/s (all clients) | x 1 client | slowest client / its prompt alone (p50) | "
-        "fastest / slowest client (each / its prompt alone) | client ms/token p50 / p95 | peak GPU memory |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "fastest / slowest client (each / its prompt alone) | client ms/token p50 / p95 | "
+        "first tokens ms p50 / max | peak GPU memory |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         lo, mid, hi = c.get("client_vs_alone_min"), c.get("client_vs_alone_p50"), c.get("client_vs_alone_max")
@@ -638,6 +666,7 @@ def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
             f"| {c['batch']} | {c['decoder']} | {c['tok_s']:.1f} | {_fmt(c['x_batch1'], '.2f')} | "
             f"{_fmt(lo, '.2f')} ({_fmt(mid, '.2f')}) | {_fmt(hi / lo if lo and hi else None, '.2f')} | "
             f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
+            f"{_fmt(c.get('first_token_ms_p50'), '.1f')} / {_fmt(c.get('first_token_ms_max'), '.1f')} | "
             f"{'-' if mem is None else format(mem / 2**30, '.1f') + ' GiB'} |"
         )
     slow = [c for c in result["cells"] if c["batch"] > 1 and c.get("clients")]

@@ -44,7 +44,13 @@ logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_TOKENS = 8192  # most prompt tokens one batched prefill forward takes (rows are grouped)
-PREFILL_SLACK = 1.25  # a prefill group's padded size over its real tokens, at most
+PREFILL_SLACK = 1.25  # a prefill group's padded size over its real tokens, at most (eager forwards)
+# Graphed prefills (CUDA): a group's rows and width are padded to buckets, one graph per bucket pair.
+# An eager forward's host work (thousands of operator calls) costs as much as a decode round of a
+# whole batch many times over; a replayed one costs its kernels only, so grouping weighs padded
+# tokens against a replay's fixed cost, counted here as this many padded tokens.
+PREFILL_GRAPH_MIN_WIDTH = 16
+PREFILL_GRAPH_GROUP_TOKENS = 256
 
 
 def batch_bucket(b: int, slots: int) -> int:
@@ -129,6 +135,16 @@ class _Chain:
 
 
 @dataclass
+class _Prefill:
+    """Static buffers (and graph) of one (row bucket, width bucket) graphed prefill."""
+
+    stage: torch.Tensor  # [R, 2 + W] int64: slot, length, tokens
+    host: torch.Tensor  # [R, 2 + W] pinned twin of ``stage``
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None
+
+
+@dataclass
 class _Round:
     """Static buffers (and graph) of one (batch bucket, nodes, KV bucket) round shape."""
 
@@ -166,10 +182,15 @@ class BatchedTarget:
             raise ResourceExhausted("batched rounds need the target on one device (no device map)")
         self.runner = runner
         self.device = runner.input_device
-        self.cache = BatchedKVCache.for_model(model, runner.dtype, self.device, slots, capacity)
-        self.slots, self.capacity = slots, capacity
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        # Prompts are written in groups of bucketed shapes, replayed from graphs on CUDA (eager
+        # forwards elsewhere: on a CPU padding costs real compute). Their padding rows write to one
+        # spare slot past the pool's.
+        self.bucketed_prefill = self.use_graphs
+        self.cache = BatchedKVCache.for_model(model, runner.dtype, self.device, slots + 1, capacity)
+        self.slots, self.capacity = slots, capacity
         self._rounds: dict[tuple[int, int, int, bool], _Round] = {}
+        self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._chains: dict[tuple[int, int, int, int], _Chain] = {}
         self._ar = torch.arange(capacity, device=self.device)
         self._neg = torch.finfo(runner.dtype).min
@@ -204,7 +225,17 @@ class BatchedTarget:
     def prefill(self, first_slot: int, prompts: list[list[int]]) -> None:
         """Write the KV of ``prompts`` (one per slot from ``first_slot``) in batched forwards of at
         most :data:`PREFILL_TOKENS` padded tokens. Rows shorter than the longest write past their
-        length (slots their next forward overwrites) and attend only to their own tokens."""
+        length (slots their next forward overwrites) and attend only to their own tokens. On CUDA
+        with graphs the groups replay graphs of bucketed shapes (:meth:`_graph_groups`)."""
+        if first_slot < 0 or first_slot + len(prompts) > self.slots:
+            raise ValueError(f"rows {first_slot}..{first_slot + len(prompts)} past {self.slots} slots")
+        if self.bucketed_prefill:
+            for lo, hi, rows, width in self._graph_groups([len(p) for p in prompts]):
+                if rows * width > PREFILL_TOKENS:  # one row longer than a graphed group takes
+                    self._prefill_group(first_slot + lo, prompts[lo:hi], len(prompts[lo]))
+                else:
+                    self._prefill_graphed(first_slot + lo, prompts[lo:hi], rows, width)
+            return
         i = 0
         while i < len(prompts):
             j, longest, total = i + 1, len(prompts[i]), len(prompts[i])
@@ -218,6 +249,100 @@ class BatchedTarget:
                 longest, total, j = wider, total + len(prompts[j]), j + 1
             self._prefill_group(first_slot + i, prompts[i:j], longest)
             i = j
+
+    def _graph_groups(self, lengths: list[int]) -> list[tuple[int, int, int, int]]:
+        """Consecutive groups of rows for graphed prefills, ``(first, end, row bucket, width
+        bucket)`` each: the split that minimises padded tokens plus
+        :data:`PREFILL_GRAPH_GROUP_TOKENS` a group (dynamic programming over the rows in order;
+        callers sort them by length). A group holds at most :data:`PREFILL_TOKENS` padded tokens;
+        a longer row is a group of its own (its width then exceeds that, and it runs eagerly)."""
+        n = len(lengths)
+        best = [0.0] + [float("inf")] * n
+        start = [0] * (n + 1)
+        for j in range(1, n + 1):
+            longest = 0
+            for i in range(j - 1, -1, -1):
+                longest = max(longest, lengths[i])
+                rows, width = self._prefill_shape(j - i, longest)
+                if rows * width > PREFILL_TOKENS and j - i > 1:
+                    break
+                cost = best[i] + PREFILL_GRAPH_GROUP_TOKENS + rows * width
+                if cost < best[j]:
+                    best[j], start[j] = cost, i
+        groups = []
+        j = n
+        while j > 0:
+            i = start[j]
+            groups.append((i, j, *self._prefill_shape(j - i, max(lengths[i:j]))))
+            j = i
+        return [g for g in reversed(groups) if max(lengths[g[0] : g[1]]) > 0]
+
+    @torch.inference_mode()
+    def capture_prefills(self) -> int:
+        """Capture every graphed prefill shape this pool can use (rows and width buckets within
+        :data:`PREFILL_TOKENS`) now, while no row is live: which shapes a server meets depends on
+        how its clients' calls happen to arrive together, and a shape met first while serving
+        stops every row's rounds for its capture. Returns the graphs captured (0 without graphs)."""
+        if not self.bucketed_prefill or not self.use_graphs:
+            return 0
+        before = self.captures
+        for rows, width in self.prefill_shapes():
+            self._prefill_graphed(0, [], rows, width)
+        return self.captures - before
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(rows, width)`` a bucketed prefill of this pool can take (within
+        :data:`PREFILL_TOKENS`; widths up to the slots' capacity)."""
+        cap = self.capacity
+        widths = sorted(
+            {self._prefill_shape(1, min(w, cap))[1] for w in _powers(PREFILL_GRAPH_MIN_WIDTH, cap)}
+        )
+        return [(r, w) for w in widths for r in _powers(1, self.slots) if r * w <= PREFILL_TOKENS]
+
+    def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """A graphed prefill's padded shape: rows to a power of two, width to a power of two (at
+        least :data:`PREFILL_GRAPH_MIN_WIDTH`, at most the slots' capacity)."""
+        width = max(longest, PREFILL_GRAPH_MIN_WIDTH)
+        return 1 << (rows - 1).bit_length(), min(1 << (width - 1).bit_length(), max(self.capacity, longest))
+
+    def _prefill_graphed(self, first: int, prompts: list[list[int]], rows: int, width: int) -> None:
+        """One group's prompts written from a graph of its padded shape: row ``r`` into slot
+        ``first + r``; padding rows write to the spare slot and attend to themselves."""
+        pre = self._prefills.get((rows, width))
+        if pre is None:
+            pre = self._prefills[(rows, width)] = _Prefill(*self._staging(rows, 2 + width))
+        staged = pre.host.numpy()
+        staged[:] = 0
+        staged[:, 0] = self.slots  # the spare slot
+        staged[:, 1] = 1
+        for r, p in enumerate(prompts):
+            staged[r, 0], staged[r, 1] = first + r, len(p)
+            staged[r, 2 : 2 + len(p)] = p
+        pre.stage.copy_(pre.host, non_blocking=True)
+        if not self.use_graphs:  # the same shapes run eagerly (tests on a CPU)
+            self._prefill_body(pre.stage)
+            return
+        if pre.graph is None:
+            what = f"prefill ({rows} rows x {width} tokens)"
+            pre.graph, pre.out = self._capture(pre.stage, lambda: self._prefill_body(pre.stage), what)
+        replay(pre.graph, self.device, self.runner, pre.out)
+
+    def _prefill_body(self, st: torch.Tensor) -> torch.Tensor:
+        """Device ops only (one graph): ids, positions and a causal mask within each row's length
+        from the staged buffer, then the forward writing every row's slot."""
+        width = st.shape[1] - 2
+        ids, lens = st[:, 2:], st[:, 1:2]
+        ar = self._ar[:width]
+        pos = ar[None].expand_as(ids)
+        seen = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens[:, :, None])  # [R, q, kv]
+        seen = seen | torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padding: themselves
+        mask = torch.where(seen, 0.0, self._neg).to(self.runner.dtype)[:, None]
+        self.cache.bind_fresh(pos, st[:, 0])
+        try:
+            logits = self._model_call(ids, pos, mask, 1)
+        finally:
+            self.cache.bind(None)
+        return logits[:, -1, :1].clone()  # the logits are not needed; a small output keeps the graph's
 
     @torch.inference_mode()
     def extend(self, slot: int, start: int, tokens: list[int]) -> None:
@@ -590,6 +715,14 @@ class RoundDriver:
         else:
             with self.cv:
                 self.cv.wait_for(lambda: ready() or not self.lock.locked(), 0.05)
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` up to the first one that reaches ``hi``."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return out
 
 
 def read_outcome(packed: torch.Tensor) -> list[list[int]]:

@@ -65,6 +65,10 @@ class Ticket:
     cancelled: bool = False
     error: BaseException | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    # Set (under the scheduler's lock) when rounds are appended or the row ends / when it ends: a
+    # follower sleeps on its own ticket's events, so a round wakes only the rows it served.
+    ready: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -204,11 +208,11 @@ class BatchScheduler:
                 if every_s > 0 and not ticket.done:
                     left = last + every_s - time.perf_counter()
                     if left > 0:
-                        with self._cv:
-                            self._cv.wait_for(lambda: ticket.done, left)
+                        ticket.ended.wait(left)
                 with self._cv:
                     items, done = list(ticket.rounds), ticket.done
                     ticket.rounds.clear()
+                    ticket.ready.clear()
                 if items:
                     last = time.perf_counter()
                     yield items
@@ -260,8 +264,7 @@ class BatchScheduler:
         if self._thread is None:
             self._driver.turn(ready, self._guarded_step)
         else:
-            with self._cv:
-                self._cv.wait_for(ready, 0.05)
+            ticket.ready.wait(0.05)
 
     def _guarded_step(self) -> None:
         try:
@@ -395,6 +398,7 @@ class BatchScheduler:
                 rs.host_s = t3 - t2
                 r.ticket.stats.rounds.append(rs)
                 r.ticket.rounds.append((kept, rs))
+                r.ticket.ready.set()
         planner.observe(bp, size, t3 - t0, all_scores, all_flags)
         return finished
 
@@ -425,6 +429,8 @@ class BatchScheduler:
 
     def _finish_ticket(self, ticket: Ticket) -> None:
         ticket.done = True
+        ticket.ready.set()
+        ticket.ended.set()
         self._cv.notify_all()
 
     def _fail_all(self, error: BaseException) -> None:

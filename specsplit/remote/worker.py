@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -357,6 +358,9 @@ def _batch_scheduler(
     pool = _pool(engine, max_batch, capacity, graphs)
     logger.info("batched rounds: %d rows of %d positions (%.2f GB of KV)", pool.slots, capacity,
                 pool.cache.memory_bytes() / 1e9)  # fmt: skip
+    t0 = time.perf_counter()
+    if captured := pool.capture_prefills():
+        logger.info("captured %d prompt-forward graphs in %.1f s", captured, time.perf_counter() - t0)
     # Rows past the open calls cannot wait: each waiting row is a call holding a request thread.
     return BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
 

@@ -45,6 +45,16 @@ class _PoolLayer(CacheLayerMixin):
         wpos = o.write_pos
         if wpos is None:
             raise RuntimeError("BatchedKVCache.bind() must set the write positions before a forward")
+        if o.slot_ids is not None:  # fresh prompts: rows of any slots, attending to their own tokens
+            b, h, q, _ = key_states.shape
+            where = (
+                o.slot_ids[:, None, None],
+                torch.arange(h, device=wpos.device)[None, :, None],
+                wpos[:, None, :],
+            )
+            self.pool_keys.index_put_(where, key_states)
+            self.pool_values.index_put_(where, value_states)
+            return key_states, value_states
         lo = o.first_slot
         b, h, q, d = key_states.shape
         keys, values = self.pool_keys[lo : lo + b], self.pool_values[lo : lo + b]
@@ -54,6 +64,8 @@ class _PoolLayer(CacheLayerMixin):
         return keys[:, :, : o.read_len], values[:, :, : o.read_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.slot_ids is not None:
+            return query_length, 0
         return self.owner.read_len, 0
 
     def get_seq_length(self) -> int:
@@ -96,6 +108,7 @@ class BatchedKVCache(Cache):
         self.write_pos: torch.Tensor | None = None  # [B, q] slot positions of a forward's tokens
         self.read_len = capacity
         self.first_slot = 0
+        self.slot_ids: torch.Tensor | None = None  # fresh-prompt forwards: each row's slot (bind_fresh)
         super().__init__(layers=[_PoolLayer(self, kv[i, 0], kv[i, 1]) for i in range(num_layers)])
 
     @classmethod
@@ -117,6 +130,19 @@ class BatchedKVCache(Cache):
         if write_pos is not None and first_slot + write_pos.shape[0] > self.slots:
             raise ValueError(f"rows {first_slot}..{first_slot + write_pos.shape[0]} past {self.slots} slots")
         self.write_pos, self.read_len, self.first_slot = write_pos, read_len or self.capacity, first_slot
+        self.slot_ids = None
+
+    def bind_fresh(self, write_pos: torch.Tensor, slot_ids: torch.Tensor) -> None:
+        """Set up a forward of fresh prompts: row ``b`` writes its tokens at positions
+        ``write_pos[b]`` of slot ``slot_ids[b]`` (`[B]` device int64, any slots, repeats allowed for
+        rows whose keys are never read) and attends to the forward's own tokens only (the slots'
+        earlier contents are neither read nor needed). Static shapes: a CUDA graph can hold it."""
+        self.write_pos, self.read_len, self.first_slot, self.slot_ids = (
+            write_pos,
+            write_pos.shape[1],
+            0,
+            slot_ids,
+        )
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (every layer)."""
