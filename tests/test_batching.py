@@ -239,6 +239,33 @@ def test_bucketed_prefill_groups_cover_the_rows_within_the_token_budget(llama_ta
     assert pool._graph_groups([0, 0]) == []
 
 
+def test_round_shapes_a_worker_captures_cover_every_round_and_run(llama_target):
+    """``capture_rounds``: the shapes cover whatever batch size, tree size and length a round can
+    have; each runs on padding rows alone (eagerly here), and the pool's rows are then decoded as
+    if nothing had run (the warm-ups write into free slots only)."""
+    import random
+
+    from specsplit.runtime.graphs import kv_bucket
+
+    pool = BatchedTarget(ModelRunner(llama_target, None, "cpu", None, "float32"), slots=6, capacity=600)
+    sizes = (0, 4, 8)
+    shapes = set(pool.round_shapes(sizes))
+    rng = random.Random(0)
+    for _ in range(500):
+        b, n, end = rng.randint(1, 6), rng.choice(sizes), rng.randint(1, 600)
+        assert (batch_bucket(b, 6), n, kv_bucket(end, 600)) in shapes
+    assert {bp for bp, _, _ in shapes} == {1, 2, 4, 6} and pool.capture_rounds(sizes) == 0
+    with torch.inference_mode():
+        for bp, n, kv in sorted(shapes)[:: max(1, len(shapes) // 8)]:
+            rnd = pool._round_buffers(bp, n, kv, True)
+            pool._stage(rnd, [], n)
+            pool._body(rnd, n, SamplingParams())
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    pool.prefill(0, [p[:-1] for p in prompts])
+    out = pool.round([RowTree(len(p) - 1, p[-1]) for p in prompts], SamplingParams(), 0)
+    assert [o.next_token for o in out] == [_alone(llama_target, p, 1)[0] for p in prompts]
+
+
 @pytest.mark.parametrize("capacity", [96, 768])
 def test_every_prefill_shape_a_worker_captures_runs(llama_target, capacity):
     """The shapes captured up front (``capture_prefills``): widths up to the capacity (not past it

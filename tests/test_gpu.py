@@ -732,6 +732,19 @@ def test_batched_prefill_shapes_captured_up_front_serve_any_group(llama_target):
         torch.testing.assert_close(
             pool.cache.kv[:, :, b, :, : len(p)], eager.cache.kv[:, :, b, :, : len(p)], rtol=1e-5, atol=1e-5
         )
+    # Rounds too: every greedy shape captured up front, then rounds only replay and commit what
+    # the eager pool commits.
+    from specsplit.core.sampling import SamplingParams
+    from specsplit.engines.batched import RowTree
+
+    rounds = pool.capture_rounds((0, 4))
+    assert rounds == len(pool.round_shapes((0, 4))) > 0
+    trees = [RowTree(len(p), 7, [8, 9], [-1, 0], [1, 2]) for p in prompts]
+    for batch in (trees, trees[:3], trees[:1]):
+        got = pool.round(batch, SamplingParams(), 4)
+        want = eager.round(batch, SamplingParams(), 4)
+        assert [(o.tokens, o.next_token) for o in got] == [(o.tokens, o.next_token) for o in want]
+    assert pool.captures == n + rounds
 
 
 def test_batched_capture_warms_up_on_the_staged_inputs(llama_target, monkeypatch):

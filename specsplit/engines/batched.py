@@ -23,6 +23,7 @@ seed), so a row commits exactly the tokens its single-row generation with the sa
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -289,6 +290,34 @@ class BatchedTarget:
         for rows, width in self.prefill_shapes():
             self._prefill_graphed(0, [], rows, width)
         return self.captures - before
+
+    @torch.inference_mode()
+    def capture_rounds(self, sizes: tuple[int, ...]) -> int:
+        """Capture every greedy round shape of this pool (:meth:`round_shapes`) now, while no row
+        is live (the warm-ups write into free slots only). Rows joining and leaving walk a server
+        through batch buckets and KV buckets in whatever order its clients happen to arrive and
+        finish, and each shape met first while serving stops every row for its capture. Returns
+        the graphs captured (0 without graphs)."""
+        if not self.use_graphs:
+            return 0
+        before = self.captures
+        greedy = SamplingParams()
+        for bp, n, kv in self.round_shapes(sizes):
+            rnd = self._round_buffers(bp, n, kv, True)
+            if rnd.graph is None:
+                self._stage(rnd, [], n)  # padding rows only
+                what = f"round ({bp} rows x {n} nodes over {kv} key slots)"
+                rnd.graph, rnd.out = self._capture(
+                    rnd.stage, functools.partial(self._body, rnd, n, greedy), what
+                )
+        return self.captures - before
+
+    def round_shapes(self, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """Every ``(batch bucket, nodes, KV bucket)`` a round of this pool verifying trees of
+        ``sizes`` nodes can take (:meth:`round` pads to these)."""
+        buckets = sorted({batch_bucket(b, self.slots) for b in range(1, self.slots + 1)})
+        kvs = sorted({kv_bucket(e, self.capacity) for e in _powers(1, self.capacity)})
+        return [(bp, n, kv) for bp in buckets for n in sorted(set(sizes)) for kv in kvs if 1 + n <= kv]
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every ``(rows, width)`` a bucketed prefill of this pool can take (within

@@ -358,11 +358,14 @@ def _batch_scheduler(
     pool = _pool(engine, max_batch, capacity, graphs)
     logger.info("batched rounds: %d rows of %d positions (%.2f GB of KV)", pool.slots, capacity,
                 pool.cache.memory_bytes() / 1e9)  # fmt: skip
-    t0 = time.perf_counter()
-    if captured := pool.capture_prefills():
-        logger.info("captured %d prompt-forward graphs in %.1f s", captured, time.perf_counter() - t0)
     # Rows past the open calls cannot wait: each waiting row is a call holding a request thread.
-    return BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
+    scheduler = BatchScheduler(pool, min(max_batch, pool.slots), max_waiting=max(max_calls, 1))
+    # Every shape captured now: one first met while serving would stop every row for its capture.
+    t0 = time.perf_counter()
+    if captured := pool.capture_prefills() + pool.capture_rounds(scheduler.planner.sizes):
+        logger.info("captured %d batched graphs (prompt forwards and rounds) in %.1f s", captured,
+                    time.perf_counter() - t0)  # fmt: skip
+    return scheduler
 
 
 def _graphs(engine: Any) -> bool:
