@@ -12,6 +12,7 @@ from specsplit.core.sampling import SamplingParams
 from specsplit.engines.batch_plan import BatchPlanner
 from specsplit.engines.batched import BatchedTarget, RowTree, batch_bucket
 from specsplit.engines.drafters import NgramDrafter
+from specsplit.errors import ResourceExhausted
 from specsplit.pipeline.batch import BatchRequest, decode_batch
 from specsplit.pipeline.params import DecodeParams
 from specsplit.runtime.batched_kv import BatchedKVCache
@@ -214,6 +215,8 @@ def test_bucketed_prefill_writes_each_prompts_kv_and_rounds_follow(llama_target)
                     pool.cache.kv[layer, got, b, :, : len(p) - 1], kind[0], rtol=1e-5, atol=1e-5
                 )
     assert not torch.equal(pool.cache.kv[:, :, pool.slots], spare)  # padding rows wrote there
+    with pytest.raises(ResourceExhausted):  # longer than a slot: refused, as the eager groups do
+        pool.prefill(6, [list(range(5, 70))])
     out = pool.round([RowTree(len(p) - 1, p[-1]) for p in ordered], SamplingParams(), 0)
     assert [o.next_token for o in out] == [_alone(llama_target, p, 1)[0] for p in ordered]
 

@@ -232,7 +232,7 @@ class BatchedTarget:
             raise ValueError(f"rows {first_slot}..{first_slot + len(prompts)} past {self.slots} slots")
         if self.bucketed_prefill:
             for lo, hi, rows, width in self._graph_groups([len(p) for p in prompts]):
-                if rows * width > PREFILL_TOKENS:  # one row longer than a graphed group takes
+                if rows * width > PREFILL_TOKENS or width > self.capacity:  # eager (or refused there)
                     self._prefill_group(first_slot + lo, prompts[lo:hi], len(prompts[lo]))
                 else:
                     self._prefill_graphed(first_slot + lo, prompts[lo:hi], rows, width)
@@ -332,6 +332,8 @@ class BatchedTarget:
         """A graphed prefill's padded shape: rows to a power of two, width to a power of two (at
         least :data:`PREFILL_GRAPH_MIN_WIDTH`, at most the slots' capacity)."""
         width = max(longest, PREFILL_GRAPH_MIN_WIDTH)
+        # A prompt longer than a slot keeps its own width: prefill() sends it to the eager path,
+        # which refuses it (ResourceExhausted).
         return 1 << (rows - 1).bit_length(), min(1 << (width - 1).bit_length(), max(self.capacity, longest))
 
     def _prefill_graphed(self, first: int, prompts: list[list[int]], rows: int, width: int) -> None:

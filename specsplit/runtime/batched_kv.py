@@ -46,12 +46,7 @@ class _PoolLayer(CacheLayerMixin):
         if wpos is None:
             raise RuntimeError("BatchedKVCache.bind() must set the write positions before a forward")
         if o.slot_ids is not None:  # fresh prompts: rows of any slots, attending to their own tokens
-            b, h, q, _ = key_states.shape
-            where = (
-                o.slot_ids[:, None, None],
-                torch.arange(h, device=wpos.device)[None, :, None],
-                wpos[:, None, :],
-            )
+            where = (o.slot_ids[:, None, None], o.heads[None, :, None], wpos[:, None, :])
             self.pool_keys.index_put_(where, key_states)
             self.pool_values.index_put_(where, value_states)
             return key_states, value_states
@@ -104,6 +99,7 @@ class BatchedKVCache(Cache):
                 "or max_new_tokens"
             ) from e
         self.kv = kv
+        self.heads = torch.arange(kv_heads, device=device)  # head indices of fresh-prompt writes
         self.slots, self.capacity = slots, capacity
         self.write_pos: torch.Tensor | None = None  # [B, q] slot positions of a forward's tokens
         self.read_len = capacity
