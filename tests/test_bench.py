@@ -850,13 +850,15 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
     assert got == {(d, b) for d in ("hf-batch", "specsplit-plain", "specsplit-ngram") for b in (1, 2)}
     assert all(c["tok_s"] > 0 for c in batch["cells"])
     clients = ["--concurrent-clients", "1,3", "--grpc-workers", "thread",
-               "--decoders", "grpc-plain,grpc-ngram,grpc-model-clientloop"]  # fmt: skip
+               "--decoders", "grpc-plain,grpc-ngram,grpc-model-clientloop,grpc-model-targetloop"]  # fmt: skip
     assert main([*base, *clients]) == 0
     res = json.loads(next(out.glob("clients-*.json")).read_text())
     assert res["config"]["mode"] == "concurrent-clients"
     cells = {(c["decoder"], c["batch"]): c for c in res["cells"]}
     assert set(cells) == {
-        (d, n) for d in ("grpc-plain", "grpc-ngram", "grpc-model-clientloop") for n in (1, 3)
+        (d, n)
+        for d in ("grpc-plain", "grpc-ngram", "grpc-model-clientloop", "grpc-model-targetloop")
+        for n in (1, 3)
     }
     assert all(c["tokens"] > 0 and c["client_tok_s_min"] > 0 for c in cells.values())
     # each client against its own prompt decoded alone

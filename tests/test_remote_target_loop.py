@@ -514,6 +514,62 @@ def test_batched_worker_serves_concurrent_clients_in_shared_rounds(engines, samp
         assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"
 
 
+def test_model_drafted_calls_share_batched_rounds_once_a_second_arrives(engines) -> None:
+    """A batching target worker with a draft worker: a model-drafted Generate call alone runs its own
+    speculative rounds on the draft worker; calls that arrive while it runs join the batched rounds
+    (target-only there). Every client gets exactly what a worker without batching gives it, and
+    once all have ended a lone call speculates again."""
+    ids, _ = prompts(5, seed=33)
+    d_srv = serve_draft(engines[0])
+    srvs = [serve_target(engines[1], draft_address=d_srv.address, max_batch=mb, batch_capacity=256)
+            for mb in (0, 4)]  # fmt: skip
+    try:
+        with loop_gen(srvs[0].address, TREES["chain4"]) as gen:
+            ref = [gen.generate(ids[i : i + 1], max_new_tokens=40) for i in range(ids.shape[0])]
+        srv = srvs[1]
+        assert srv.batch is not None
+        holding, release = threading.Event(), threading.Event()
+
+        class Hold:  # the first client's stream pauses at its first new tokens (its first put is the prompt)
+            puts = 0
+
+            def put(self, value) -> None:  # noqa: ANN001
+                self.puts += 1
+                if self.puts == 2:
+                    holding.set()
+                    release.wait(30)
+
+            def end(self) -> None:
+                pass
+
+        def client(i: int):  # noqa: ANN202
+            with loop_gen(srv.address, TREES["chain4"]) as g:
+                kw = {"streamer": Hold()} if i == 0 else {}
+                if i:
+                    assert holding.wait(30)
+                return g.generate(ids[i : i + 1], max_new_tokens=40, return_dict_in_generate=True, **kw)
+
+        with ThreadPoolExecutor(ids.shape[0]) as pool:
+            futs = [pool.submit(client, i) for i in range(ids.shape[0])]
+            assert wait_until(lambda: srv.batch.rounds > 0, timeout=30)  # the later calls run batched
+            release.set()
+            res = [f.result(timeout=60) for f in futs]
+        for i, r in enumerate(res):
+            assert torch.equal(r.sequences, ref[i]), f"client {i}"
+        drafted = [sum(x.tree_nodes for x in r.spec_stats.rounds) for r in res]
+        assert drafted[0] > 0  # the first call's own rounds verified the draft worker's chains
+        assert drafted[1:] == [0] * (ids.shape[0] - 1), drafted  # batched rows: target-only
+        assert wait_until(lambda: srv.batch.live_rows == 0, timeout=10)
+        rounds = srv.batch.rounds
+        with loop_gen(srv.address, TREES["chain4"]) as g:  # alone again: its own speculative rounds
+            again = g.generate(ids[:1], max_new_tokens=40, return_dict_in_generate=True)
+        assert torch.equal(again.sequences, ref[0]) and srv.batch.rounds == rounds
+        assert sum(x.tree_nodes for x in again.spec_stats.rounds) > 0
+    finally:
+        for s in (*srvs, d_srv):
+            s.stop(grace=1.0)
+
+
 def test_batched_worker_frees_a_cancelled_row_and_keeps_serving(engines) -> None:
     """On a batching worker: a stop string cancels a client's call mid-generation (its row leaves the
     pool), a bad request gets INVALID_ARGUMENT, and the next clients are served exactly."""

@@ -43,6 +43,11 @@ CLIENT_DECODERS = ("grpc-plain", "grpc-ngram")  # concurrent clients of one batc
 # ... and clients that run the rounds themselves against a draft worker and the batching target worker
 # (client loop, the draft model's chain; optional: it loads the draft model)
 CLIENT_LOOP_DECODER = "grpc-model-clientloop"
+# ... and clients of a target worker that drafts on the draft worker (``--draft-address``) and runs
+# the loop: alone, a client's generation speculates with the draft model; concurrent ones share
+# batched rounds (optional: it loads the draft model)
+TARGET_LOOP_MODEL_DECODER = "grpc-model-targetloop"
+DRAFT_WORKER_DECODERS = (CLIENT_LOOP_DECODER, TARGET_LOOP_MODEL_DECODER)
 
 
 @dataclass
@@ -147,7 +152,7 @@ class _Decoder:
 
 def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
     """Run every decoder at every batch size; write ``<out>/batch-<machine>-<date>[-tag].{json,md,png}``."""
-    known = (*CLIENT_DECODERS, CLIENT_LOOP_DECODER) if opts.clients else BATCH_DECODERS
+    known = (*CLIENT_DECODERS, *DRAFT_WORKER_DECODERS) if opts.clients else BATCH_DECODERS
     unknown = set(opts.decoders) - set(known)
     if unknown:
         raise ValueError(f"unknown decoders {sorted(unknown)} for this run; choose from {', '.join(known)}")
@@ -155,7 +160,7 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
         raise ValueError("batch sizes must be >= 1")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    draft = CLIENT_LOOP_DECODER in opts.decoders
+    draft = any(d in opts.decoders for d in DRAFT_WORKER_DECODERS)
     m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=draft)
     if pack_copies(opts.pack_weights, opts.compile, ()) and m.use_packed_weights():
         logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
@@ -243,14 +248,18 @@ def _client_cells(
     need = max(len(p.input_ids) for p in prompts) + opts.max_new_tokens + 64
     capacity = -(-need // 256) * 256
     workers = _ClientWorkers(m, opts, most, capacity)
-    target_address, draft_address = workers.addresses
+    target_address, draft_address, loop_address = workers.addresses
     # with worker processes the clients are processes too, as separate programs would be
     own_processes = bool(workers.processes) if opts.client_processes is None else opts.client_processes
     cells: list[dict[str, Any]] = []
     try:
-        for name in [d for d in opts.decoders if d in (*CLIENT_DECODERS, CLIENT_LOOP_DECODER)]:
+        for name in [d for d in opts.decoders if d in (*CLIENT_DECODERS, *DRAFT_WORKER_DECODERS)]:
             drafter: Drafter = "ngram" if name == "grpc-ngram" else "model"
-            if name == CLIENT_LOOP_DECODER:
+            if name == TARGET_LOOP_MODEL_DECODER:
+                assert loop_address is not None
+                cfg = SpecSplitConfig(transport="grpc", grpc_loop="target", target_address=loop_address,
+                                      drafter="model", timeout_s=600.0)  # fmt: skip
+            elif name == CLIENT_LOOP_DECODER:
                 assert draft_address is not None
                 cfg = SpecSplitConfig(transport="grpc", draft_address=draft_address, target_address=target_address,
                                       timeout_s=600.0)  # fmt: skip
@@ -322,9 +331,11 @@ def _alone_speeds(gen: Any, rows: list[BenchPrompt], m: BenchModels, max_new: in
 
 
 class _ClientWorkers:
-    """The batching target worker (and the draft worker, when the client loop runs) that the
-    concurrent clients call: ``specsplit serve`` processes, or servers inside this process (which
-    then share its GIL with every client thread)."""
+    """The workers the concurrent clients call: the batching target worker; with the draft model
+    loaded, a draft worker (the client loop's) and a second batching target worker drafting on it
+    (``grpc-model-targetloop``). ``specsplit serve`` processes, or servers inside this process (which
+    then share its GIL with every client thread). ``addresses``: (target, draft, target with a draft
+    worker), the last two None without the draft model."""
 
     def __init__(self, m: BenchModels, opts: BatchBenchOptions, most: int, capacity: int):
         from specsplit import DraftEngine, TargetEngine
@@ -340,33 +351,39 @@ class _ClientWorkers:
             flags += ["--compile"] if opts.compile else []
             flags += ["--max-workers", str(most + 4), "--pack-weights" if m.packed else "--no-pack-weights"]
             batch = ["--max-batch", str(most), "--batch-capacity", str(capacity)]
-            roles = [("target", m.target_name, batch)]
-            if m.draft is not None:
-                roles.append(("draft", m.draft_name, batch))
+
+            def start(role: str, name: str, extra: list[str]) -> str:
+                worker = WorkerProcess(role, name, device=m.device, dtype=m.dtype, args=flags + batch + extra)
+                self.processes.append(worker.start())
+                return worker.address
+
             try:
-                for role, name, extra in roles:
-                    self.processes.append(
-                        WorkerProcess(role, name, device=m.device, dtype=m.dtype, args=flags + extra).start()
-                    )
+                target = start("target", m.target_name, [])
+                draft = start("draft", m.draft_name, []) if m.draft is not None else None
+                loop = start("target", m.target_name, ["--draft-address", draft]) if draft else None
             except BaseException:
                 self.close()
                 raise
-            self.addresses = (
-                self.processes[0].address,
-                self.processes[1].address if m.draft is not None else None,
-            )
+            self.addresses = (target, draft, loop)
             return
         limits = AdmissionLimits(max_calls=most + 4, max_queued=most + 4)
-        engine = TargetEngine(
-            m.specsplit_target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile)
-        )
-        self.servers.append(serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
-                                         batch_capacity=capacity))  # fmt: skip
-        if m.draft is not None:
-            d_engine = DraftEngine(m.specsplit_draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
-            self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
-                                            batch_capacity=capacity))  # fmt: skip
-        self.addresses = (self.servers[0].address, self.servers[1].address if m.draft is not None else None)
+
+        def target_server(draft_address: str | None = None) -> Any:
+            engine = TargetEngine(
+                m.specsplit_target, TargetConfig(cuda_graphs=opts.cuda_graphs, compile=opts.compile)
+            )
+            return serve_target(engine, max_workers=most + 4, admission=limits, max_batch=most,
+                                batch_capacity=capacity, draft_address=draft_address)  # fmt: skip
+
+        self.servers.append(target_server())
+        if m.draft is None:
+            self.addresses = (self.servers[0].address, None, None)
+            return
+        d_engine = DraftEngine(m.specsplit_draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
+        self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
+                                        batch_capacity=capacity))  # fmt: skip
+        self.servers.append(target_server(self.servers[1].address))
+        self.addresses = tuple(srv.address for srv in self.servers)  # type: ignore[assignment]
 
     def peak_gpu_bytes(self) -> int | None:
         """This process's peak GPU memory (None with worker processes: theirs is their own)."""

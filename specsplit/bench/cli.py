@@ -16,6 +16,8 @@ from specsplit.bench.batch import (
     BATCH_DECODERS,
     CLIENT_DECODERS,
     CLIENT_LOOP_DECODER,
+    DRAFT_WORKER_DECODERS,
+    TARGET_LOOP_MODEL_DECODER,
     BatchBenchOptions,
     batch_markdown,
     run_batch_bench,
@@ -155,7 +157,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         metavar="N[,N...]",
         help="run the concurrency bench instead: for each N, N client threads (grpc_loop='target', one "
         f"Generate call each) against one batching target worker in this process; decoders {','.join(CLIENT_DECODERS)} "
-        f"(default), {CLIENT_LOOP_DECODER} (client loop with a draft worker: loads the draft model)",
+        f"(default), {CLIENT_LOOP_DECODER} (client loop with a draft worker) and {TARGET_LOOP_MODEL_DECODER} "
+        "(a target worker drafting on a draft worker: alone a generation speculates with the draft model, "
+        "concurrent ones share batched rounds); those two load the draft model",
     )
     p.add_argument(
         "--client-processes",
@@ -351,7 +355,7 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
         picked = tuple(d.strip() for d in args.decoders.split(",") if d.strip())
         default = CLIENT_DECODERS if clients else BATCH_DECODERS
         decoders = default if picked == tuple(DEFAULT_DECODERS) else picked
-        if set(decoders) - set(default) - ({CLIENT_LOOP_DECODER} if clients else set()):
+        if set(decoders) - set(default) - (set(DRAFT_WORKER_DECODERS) if clients else set()):
             raise ValueError(f"decoders of this run: {','.join(default)}")
         suite = SUITES[args.suite]
         which = (

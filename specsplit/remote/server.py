@@ -474,19 +474,43 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self._drafting = drafting or WorkerDrafting()
         self._draft_worker = draft is not None
         self.batch = batch  # concurrent Generate calls' rows share rounds here (None: each runs its own)
+        self._solo, self._solo_lock = 0, threading.Lock()  # Generate calls running their own rounds
         self.sessions = sessions  # concurrent client-loop sessions' VerifyDrafts share forwards here
         if sessions is not None:
             self._h.also_holds = sessions.holds
 
     def _batched(self, req: GenerateRequest, params: DecodeParams) -> bool:
-        """Whether a ``Generate`` call's rows join the shared batched rounds: batching on, drafting
-        that needs no draft worker, and nothing the batched rounds do not apply."""
+        """Whether a ``Generate`` call's rows join the shared batched rounds; a call that does not
+        counts as a generation running its own rounds until :meth:`_solo_done`.
+
+        Rows join when batching is on and the batched rounds apply everything the call asks for.
+        A call the draft worker would draft for (``model``, ``hybrid``, ``auto``) runs its own
+        speculative rounds only while it is the worker's only generation. From two at once, batched
+        rounds serve more tokens a second to every client: one round costs about one row's step
+        whatever the rows (RESULTS, "Batched generation"), while solo sessions' draft levels and
+        verifications take turns on the GPU, each level costing a large share of a target step on
+        the shipped pair. In the batch such a row drafts what the batched rounds can (its drafter's
+        n-grams, or nothing), and the batch planner turns speculation down where it does not pay.
+        """
+        with self._solo_lock:
+            batched = self._joins_batch(req, params)
+            if not batched:
+                self._solo += 1
+            return batched
+
+    def _joins_batch(self, req: GenerateRequest, params: DecodeParams) -> bool:
         if self.batch is None or params.processing is not None or params.overlap:
             return False
-        if params.drafter not in ("ngram", "suffix") and self._draft_worker:
-            return False  # the draft worker's model drafts these, one generation at a time
         need = len(req.prompt_token_ids) + params.max_new_tokens + 1 + max(self.batch.planner.sizes)
-        return need <= self.batch.target.capacity
+        if need > self.batch.target.capacity:
+            return False
+        if params.drafter not in ("ngram", "suffix") and self._draft_worker:
+            return self._solo > 0 or self.batch.live_rows > 0 or self.batch.waiting_rows > 0
+        return True
+
+    def _solo_done(self) -> None:
+        with self._solo_lock:
+            self._solo -= 1
 
     def VerifyDrafts(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         key = self._h.run(context, None, lambda t0: self._h.key(request.session_id))
@@ -554,6 +578,15 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self._batched(req, params):
             yield from self._generate_batched(req, params, context)
             return
+        try:
+            yield from self._generate_solo(req, params, context)
+        finally:
+            self._solo_done()
+
+    def _generate_solo(
+        self, req: GenerateRequest, params: DecodeParams, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        """``Generate`` on rounds of its own (:func:`~specsplit.pipeline.decode_rounds`)."""
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
         # Each round goes to the client once the next round's draft is under way (defer_updates): the
         # hand-off to gRPC then overlaps the draft's GPU work instead of delaying its launch.
