@@ -6,8 +6,8 @@ before their first token, and the rows already decoding wait too: every prefill 
 rounds. This script times :meth:`BatchedTarget.prefill` (a device sync after it) on a random-weight
 model of Qwen2.5-1.5B's shapes for prompt lengths given on the command line (the bench prompts'
 token counts by default): in eager groups (as on a CPU, padding within a quarter of the real
-tokens), as the pool writes them on CUDA (rows packed end to end into forwards replayed from
-graphs of token buckets, all captured first, as a worker does at start), all rows in one eager forward, one small eager row; and one plain round of the same
+tokens), in graphed groups (CUDA graphs of bucketed shapes, all captured first, as a worker does
+at start), all rows in one eager forward, one small eager row; and one plain round of the same
 batch for scale. Times depend on shapes only.
 
     python benchmarks/batch_prefill.py --device cuda:0
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _case(pool: Any, prompts: list[list[int]], timed: Any) -> None:
-    """One batch of prompts (sorted by length): the eager groups, the packed graphed forwards, one eager
+    """One batch of prompts (sorted by length): the eager groups, the graphed groups, one eager
     forward over all of them, one small eager row, and a plain round of the batch."""
     from specsplit.core.sampling import SamplingParams
     from specsplit.engines.batched import RowTree
@@ -102,11 +102,11 @@ def _case(pool: Any, prompts: list[list[int]], timed: Any) -> None:
         finally:
             pool.bucketed_prefill = pool.use_graphs
 
-    packs = pool._packs(lengths)
+    groups = pool._graph_groups(lengths)
     cases = {
         "eager groups": timed(eager),
         (
-            f"packed graphs ({len(packs)}: {[t for _, _, t in packs]} tokens)"
+            f"graphed groups ({len(groups)}: {[g[2:] for g in groups]})"
             if pool.use_graphs
             else "the pool's groups"
         ): timed(lambda: pool.prefill(0, prompts)),

@@ -191,22 +191,19 @@ def test_batched_round_accepts_ragged_paths_and_moves_their_kv(llama_target):
         torch.testing.assert_close(k_got, k_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_prefill_writes_each_prompts_kv_and_rounds_follow(llama_target):
-    """The graphed prefill's path (prompts packed end to end in one bucketed forward, padding
-    tokens in the spare slot), run eagerly on a CPU, beside a row the eager grouping wrote: every
-    slot then holds the KV of an HF forward over its prompt alone, and a round continues every row
-    as HF does."""
+def test_bucketed_prefill_writes_each_prompts_kv_and_rounds_follow(llama_target):
+    """The graphed prefill's path (bucketed shapes, padding rows in the spare slot), run eagerly on
+    a CPU, beside a row the eager grouping wrote: every slot then holds the KV of an HF forward over
+    its prompt, and a round continues every row as HF does."""
     runner = ModelRunner(llama_target, None, "cpu", None, "float32")
     pool = BatchedTarget(runner, slots=8, capacity=64)
     prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[1], PROMPTS[2], PROMPTS[5], PROMPTS[3]]
     pool.prefill(0, [prompts[0][:-1]])  # a live row, written by the eager groups
-    live = pool.cache.kv[:, :, 0].clone()
     pool.cache.kv[:, :, pool.slots].normal_()
     spare = pool.cache.kv[:, :, pool.slots].clone()
     pool.bucketed_prefill = True
-    rest = prompts[1:]
+    rest = sorted(prompts[1:], key=len)
     pool.prefill(1, [p[:-1] for p in rest])
-    assert torch.equal(pool.cache.kv[:, :, 0], live)  # the live row's slot is untouched
     ordered = [prompts[0], *rest]
     for b, p in enumerate(ordered):
         if len(p) < 2:
@@ -217,29 +214,32 @@ def test_packed_prefill_writes_each_prompts_kv_and_rounds_follow(llama_target):
                 torch.testing.assert_close(
                     pool.cache.kv[layer, got, b, :, : len(p) - 1], kind[0], rtol=1e-5, atol=1e-5
                 )
-    assert not torch.equal(pool.cache.kv[:, :, pool.slots], spare)  # padding tokens wrote there
+    assert not torch.equal(pool.cache.kv[:, :, pool.slots], spare)  # padding rows wrote there
     with pytest.raises(ResourceExhausted):  # longer than a slot: refused, as the eager groups do
         pool.prefill(6, [list(range(5, 70))])
     out = pool.round([RowTree(len(p) - 1, p[-1]) for p in ordered], SamplingParams(), 0)
     assert [o.next_token for o in out] == [_alone(llama_target, p, 1)[0] for p in ordered]
 
 
-def test_packed_prefill_packs_cover_the_rows_within_the_token_budget():
-    from specsplit.engines.batched import PACKED_PREFILL_TOKENS
+def test_bucketed_prefill_groups_cover_the_rows_within_the_token_budget(llama_target):
+    from specsplit.engines.batched import PREFILL_TOKENS
 
-    bench = [154, 78, 91, 227, 165, 81, 168, 87, 94, 171, 190, 102, 144, 110, 59, 190]
-    for lengths in (bench, bench * 4, [500] * 64, [0, 0, 3], [40, 12000, 12000, 5], [0, 7, 0, 9]):
-        packs = BatchedTarget._packs(lengths)
-        covered = [i for lo, hi, _ in packs for i in range(lo, hi)]
-        assert sorted(set(covered)) == covered  # in order, no row twice
-        assert all(n == 0 or i in covered for i, n in enumerate(lengths))  # every row with tokens
-        assert all(lengths[lo] > 0 for lo, _, _ in packs)  # no pack starts with an empty row
-        for lo, hi, tokens in packs:
-            assert tokens == sum(lengths[lo:hi])
-            assert tokens <= PACKED_PREFILL_TOKENS or hi - lo == 1
-    assert len(BatchedTarget._packs(bench)) == 1  # the 16 bench prompts: one forward
-    assert [p[:2] for p in BatchedTarget._packs([500] * 64)] == [(i, i + 8) for i in range(0, 64, 8)]
-    assert BatchedTarget._packs([0, 0]) == []
+    runner = ModelRunner(llama_target, None, "cpu", None, "float32")
+    pool = BatchedTarget(runner, slots=2, capacity=16384)
+    bench = sorted([154, 78, 91, 227, 165, 81, 168, 87, 94, 171, 190, 102, 144, 110, 59, 190])
+    for lengths in (bench, sorted(bench * 4), [500] * 64, [0, 0, 3], [40, 12000, 12000]):
+        groups = pool._graph_groups(lengths)
+        covered = [i for lo, hi, _, _ in groups for i in range(lo, hi)]
+        assert covered == [i for i, n in enumerate(lengths) if n or any(lengths)][: len(covered)]
+        assert sorted(set(covered)) == covered
+        assert all(n == 0 for i, n in enumerate(lengths) if i not in covered)
+        for lo, hi, rows, width in groups:
+            assert rows >= hi - lo and width >= max(lengths[lo:hi])
+            assert rows * width <= PREFILL_TOKENS or hi - lo == 1
+    # The 16 bench prompts: padding is cheap next to a forward's fixed cost, so few groups.
+    assert len(pool._graph_groups(bench)) <= 2
+    assert [g[:2] for g in pool._graph_groups([500] * 64)] == [(i, i + 16) for i in range(0, 64, 16)]
+    assert pool._graph_groups([0, 0]) == []
 
 
 def test_round_shapes_a_worker_captures_cover_every_round_and_run(llama_target):
@@ -271,24 +271,19 @@ def test_round_shapes_a_worker_captures_cover_every_round_and_run(llama_target):
 
 @pytest.mark.parametrize("capacity", [96, 768])
 def test_every_prefill_shape_a_worker_captures_runs(llama_target, capacity):
-    """The shapes captured up front (``capture_prefills``): every token bucket up to the packed
-    forward's budget, whatever the capacity (buckets past it hold several rows); each runs (eagerly
-    here) and serves any packing of rows that fit a slot."""
-    from specsplit.engines.batched import PACKED_PREFILL_TOKENS
+    """The shapes captured up front (``capture_prefills``): widths up to the capacity (not past it
+    when the capacity is no power of two), each within the token budget; each runs (eagerly here)."""
+    from specsplit.engines.batched import PREFILL_TOKENS
 
     pool = BatchedTarget(ModelRunner(llama_target, None, "cpu", None, "float32"), slots=8, capacity=capacity)
     shapes = pool.prefill_shapes()
-    assert shapes == sorted(shapes) and shapes[-1] == PACKED_PREFILL_TOKENS
+    widths = sorted({w for _, w in shapes})
+    assert widths[-1] == capacity and all(w <= capacity for w in widths)
+    assert all(r * w <= PREFILL_TOKENS for r, w in shapes) and {r for r, _ in shapes} == {1, 2, 4, 8}
     assert pool.capture_prefills() == 0  # no graphs on a CPU
     with torch.inference_mode():
-        for bucket in shapes[:4]:
-            pool._prefill_packed(0, [], bucket)
-    pool.bucketed_prefill = True
-    rows = [[3 + (i * 7) % 60 for i in range(min(capacity, 90) - 1)]] * 8
-    pool.prefill(0, rows)  # 8 rows of up to a slot each: more tokens than a slot, one packed forward
-    ref = llama_target(torch.tensor([rows[7]]), use_cache=True).past_key_values
-    torch.testing.assert_close(pool.cache.kv[0, 0, 7, :, : len(rows[7])], ref.layers[0].keys[0],
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+        for rows, width in shapes:
+            pool._prefill_graphed(0, [], rows, width)
 
 
 def test_pool_slot_moves_and_limits():

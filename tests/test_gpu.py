@@ -675,9 +675,9 @@ def test_batched_chain_drafts_on_cuda_graphs_equal_hf_greedy(llama_target):
 
 
 def test_batched_prefill_from_graphs_writes_what_eager_groups_write(llama_target):
-    """Joining rows' prompts written from graphs of packed forwards (padding tokens in the spare
-    slot) leave every slot with the KV the eager groups write, beside live rows they must not
-    touch; the second call of a shape replays its graph."""
+    """Joining rows' prompts written from graphs of bucketed shapes (padding rows in the spare slot)
+    leave every slot with the KV the eager groups write, beside live rows they must not touch; the
+    second call of a shape replays its graph."""
     import copy
 
     from specsplit.engines.batched import BatchedTarget
@@ -708,11 +708,11 @@ def test_batched_prefill_from_graphs_writes_what_eager_groups_write(llama_target
 
 
 def test_batched_prefill_shapes_captured_up_front_serve_any_group(llama_target):
-    """A worker captures every prompt-forward shape at start: packs of any composition then only
+    """A worker captures every prompt-forward shape at start: groups of any composition then only
     replay, and write what the eager groups write."""
     import copy
 
-    from specsplit.engines.batched import BatchedTarget
+    from specsplit.engines.batched import PREFILL_TOKENS, BatchedTarget
     from specsplit.runtime.runner import ModelRunner
 
     target = copy.deepcopy(llama_target).to("cuda:0")
@@ -720,9 +720,10 @@ def test_batched_prefill_shapes_captured_up_front_serve_any_group(llama_target):
     pool = BatchedTarget(runner, slots=8, capacity=96)
     eager = BatchedTarget(runner, slots=8, capacity=96, use_graphs=False)
     n = pool.capture_prefills()
-    assert n == len(pool.prefill_shapes()) and set(pool._prefills) == set(pool.prefill_shapes())
+    # widths 16, 32, 64, 96 (the capacity) x rows 1..8
+    assert n == 4 * 4 and all(r * w <= PREFILL_TOKENS for r, w in pool._prefills)
     assert eager.capture_prefills() == 0
-    prompts = [list(range(5, 5 + k)) for k in (3, 17, 40, 90, 1, 0, 96, 60)]
+    prompts = [list(range(5, 5 + k)) for k in (3, 17, 40, 90, 1)]
     for p in (pool, eager):
         p.prefill(0, prompts[:2])
         p.prefill(2, prompts[2:])
@@ -738,7 +739,7 @@ def test_batched_prefill_shapes_captured_up_front_serve_any_group(llama_target):
 
     rounds = pool.capture_rounds((0, 4))
     assert rounds == len(pool.round_shapes((0, 4))) > 0
-    trees = [RowTree(len(p), 7, [8, 9], [-1, 0], [1, 2]) for p in prompts[:5]]  # rows with room for a tree
+    trees = [RowTree(len(p), 7, [8, 9], [-1, 0], [1, 2]) for p in prompts]
     for batch in (trees, trees[:3], trees[:1]):
         got = pool.round(batch, SamplingParams(), 4)
         want = eager.round(batch, SamplingParams(), 4)

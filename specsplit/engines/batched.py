@@ -38,7 +38,7 @@ from specsplit.core.sampling import SamplingParams, logits_to_probs, position_no
 from specsplit.errors import ResourceExhausted
 from specsplit.runtime.attention import FOLD_KWARG
 from specsplit.runtime.batched_kv import BatchedKVCache
-from specsplit.runtime.graphs import PREFILL_BUCKETS, kv_bucket, prefill_bucket, raise_recompile_limit, replay
+from specsplit.runtime.graphs import kv_bucket, raise_recompile_limit, replay
 from specsplit.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,13 +46,12 @@ logger = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_TOKENS = 8192  # most prompt tokens one batched prefill forward takes (rows are grouped)
 PREFILL_SLACK = 1.25  # a prefill group's padded size over its real tokens, at most (eager forwards)
-# Graphed prefills (CUDA): the joining rows' prompts are packed end to end into one sequence (each
-# token attends to the earlier tokens of its own prompt only), padded to a token bucket, one graph
-# per bucket. An eager forward's host work (thousands of operator calls) costs as much as a decode
-# round of a whole batch many times over; a replayed one costs its kernels only, and packing makes
-# those kernels run over the real tokens, not over rows padded to the longest. Attention over a
-# packed forward grows with the square of its tokens, so one holds at most this many.
-PACKED_PREFILL_TOKENS = 4096
+# Graphed prefills (CUDA): a group's rows and width are padded to buckets, one graph per bucket pair.
+# An eager forward's host work (thousands of operator calls) costs as much as a decode round of a
+# whole batch many times over; a replayed one costs its kernels only, so grouping weighs padded
+# tokens against a replay's fixed cost, counted here as this many padded tokens.
+PREFILL_GRAPH_MIN_WIDTH = 16
+PREFILL_GRAPH_GROUP_TOKENS = 256
 
 
 def batch_bucket(b: int, slots: int) -> int:
@@ -138,10 +137,10 @@ class _Chain:
 
 @dataclass
 class _Prefill:
-    """Static buffers (and graph) of one packed prefill's token bucket ``T``."""
+    """Static buffers (and graph) of one (row bucket, width bucket) graphed prefill."""
 
-    stage: torch.Tensor  # [4, T] int64: token ids, positions, slots, which prompt (-1: padding)
-    host: torch.Tensor  # [4, T] pinned twin of ``stage``
+    stage: torch.Tensor  # [R, 2 + W] int64: slot, length, tokens
+    host: torch.Tensor  # [R, 2 + W] pinned twin of ``stage``
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None
 
@@ -192,11 +191,9 @@ class BatchedTarget:
         self.cache = BatchedKVCache.for_model(model, runner.dtype, self.device, slots + 1, capacity)
         self.slots, self.capacity = slots, capacity
         self._rounds: dict[tuple[int, int, int, bool], _Round] = {}
-        self._prefills: dict[int, _Prefill] = {}  # by packed token bucket
+        self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._chains: dict[tuple[int, int, int, int], _Chain] = {}
-        # positions of a slot, and of a packed prefill's tokens (whose bucket may pass the capacity)
-        self._ar = torch.arange(max(capacity, PACKED_PREFILL_TOKENS), device=self.device)
-        self._ar_host = torch.arange(capacity).numpy()
+        self._ar = torch.arange(capacity, device=self.device)
         self._neg = torch.finfo(runner.dtype).min
         self._pool: Any = None
         if self.use_graphs:
@@ -230,19 +227,15 @@ class BatchedTarget:
         """Write the KV of ``prompts`` (one per slot from ``first_slot``) in batched forwards of at
         most :data:`PREFILL_TOKENS` padded tokens. Rows shorter than the longest write past their
         length (slots their next forward overwrites) and attend only to their own tokens. On CUDA
-        with graphs the rows are packed end to end into forwards replayed from graphs of token
-        buckets (:meth:`_packs`, :meth:`_prefill_packed`)."""
+        with graphs the groups replay graphs of bucketed shapes (:meth:`_graph_groups`)."""
         if first_slot < 0 or first_slot + len(prompts) > self.slots:
             raise ValueError(f"rows {first_slot}..{first_slot + len(prompts)} past {self.slots} slots")
         if self.bucketed_prefill:
-            longest = max(map(len, prompts), default=0)
-            if longest > self.capacity:
-                raise ResourceExhausted(f"{longest} positions do not fit a slot of {self.capacity}")
-            for lo, hi, tokens in self._packs([len(p) for p in prompts]):
-                if tokens > PACKED_PREFILL_TOKENS:  # one row longer than a packed forward: eager
-                    self._prefill_group(first_slot + lo, prompts[lo:hi], tokens)
+            for lo, hi, rows, width in self._graph_groups([len(p) for p in prompts]):
+                if rows * width > PREFILL_TOKENS or width > self.capacity:  # eager (or refused there)
+                    self._prefill_group(first_slot + lo, prompts[lo:hi], len(prompts[lo]))
                 else:
-                    self._prefill_packed(first_slot + lo, prompts[lo:hi], prefill_bucket(tokens) or tokens)
+                    self._prefill_graphed(first_slot + lo, prompts[lo:hi], rows, width)
             return
         i = 0
         while i < len(prompts):
@@ -258,24 +251,32 @@ class BatchedTarget:
             self._prefill_group(first_slot + i, prompts[i:j], longest)
             i = j
 
-    @staticmethod
-    def _packs(lengths: list[int]) -> list[tuple[int, int, int]]:
-        """Consecutive rows packed into forwards of at most :data:`PACKED_PREFILL_TOKENS` tokens,
-        ``(first, end, tokens)`` each; a longer row is a forward of its own (eager). Rows with
-        nothing to write are left out of every forward."""
-        packs: list[tuple[int, int, int]] = []
-        lo, total = 0, 0
-        for i, n in enumerate(lengths):
-            if total and total + n > PACKED_PREFILL_TOKENS:
-                packs.append((lo, i, total))
-                lo, total = i, 0
-            if not total and not n:
-                lo = i + 1
-                continue
-            total += n
-        if total:
-            packs.append((lo, len(lengths), total))
-        return packs
+    def _graph_groups(self, lengths: list[int]) -> list[tuple[int, int, int, int]]:
+        """Consecutive groups of rows for graphed prefills, ``(first, end, row bucket, width
+        bucket)`` each: the split that minimises padded tokens plus
+        :data:`PREFILL_GRAPH_GROUP_TOKENS` a group (dynamic programming over the rows in order;
+        callers sort them by length). A group holds at most :data:`PREFILL_TOKENS` padded tokens;
+        a longer row is a group of its own (its width then exceeds that, and it runs eagerly)."""
+        n = len(lengths)
+        best = [0.0] + [float("inf")] * n
+        start = [0] * (n + 1)
+        for j in range(1, n + 1):
+            longest = 0
+            for i in range(j - 1, -1, -1):
+                longest = max(longest, lengths[i])
+                rows, width = self._prefill_shape(j - i, longest)
+                if rows * width > PREFILL_TOKENS and j - i > 1:
+                    break
+                cost = best[i] + PREFILL_GRAPH_GROUP_TOKENS + rows * width
+                if cost < best[j]:
+                    best[j], start[j] = cost, i
+        groups = []
+        j = n
+        while j > 0:
+            i = start[j]
+            groups.append((i, j, *self._prefill_shape(j - i, max(lengths[i:j]))))
+            j = i
+        return [g for g in reversed(groups) if max(lengths[g[0] : g[1]]) > 0]
 
     @torch.inference_mode()
     def capture_prefills(self) -> int:
@@ -286,8 +287,8 @@ class BatchedTarget:
         if not self.bucketed_prefill or not self.use_graphs:
             return 0
         before = self.captures
-        for bucket in self.prefill_shapes():
-            self._prefill_packed(0, [], bucket)
+        for rows, width in self.prefill_shapes():
+            self._prefill_graphed(0, [], rows, width)
         return self.captures - before
 
     @torch.inference_mode()
@@ -318,51 +319,58 @@ class BatchedTarget:
         kvs = sorted({kv_bucket(e, self.capacity) for e in _powers(1, self.capacity)})
         return [(bp, n, kv) for bp in buckets for n in sorted(set(sizes)) for kv in kvs if 1 + n <= kv]
 
-    @staticmethod
-    def prefill_shapes() -> list[int]:
-        """Every token bucket a packed prefill can take (up to :data:`PACKED_PREFILL_TOKENS`)."""
-        return [b for b in PREFILL_BUCKETS if b < PACKED_PREFILL_TOKENS] + [PACKED_PREFILL_TOKENS]
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(rows, width)`` a bucketed prefill of this pool can take (within
+        :data:`PREFILL_TOKENS`; widths up to the slots' capacity)."""
+        cap = self.capacity
+        widths = sorted(
+            {self._prefill_shape(1, min(w, cap))[1] for w in _powers(PREFILL_GRAPH_MIN_WIDTH, cap)}
+        )
+        return [(r, w) for w in widths for r in _powers(1, self.slots) if r * w <= PREFILL_TOKENS]
 
-    def _prefill_packed(self, first: int, prompts: list[list[int]], bucket: int) -> None:
-        """Prompts written from the graph of one packed forward of ``bucket`` tokens: row ``r``'s
-        tokens, end to end after those of the rows before it, go to slot ``first + r`` at
-        positions ``0 ..``; the padding tokens after them write to the spare slot."""
-        tokens = sum(map(len, prompts))
-        pre = self._prefills.get(bucket)
+    def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """A graphed prefill's padded shape: rows to a power of two, width to a power of two (at
+        least :data:`PREFILL_GRAPH_MIN_WIDTH`, at most the slots' capacity)."""
+        width = max(longest, PREFILL_GRAPH_MIN_WIDTH)
+        # A prompt longer than a slot keeps its own width: prefill() sends it to the eager path,
+        # which refuses it (ResourceExhausted).
+        return 1 << (rows - 1).bit_length(), min(1 << (width - 1).bit_length(), max(self.capacity, longest))
+
+    def _prefill_graphed(self, first: int, prompts: list[list[int]], rows: int, width: int) -> None:
+        """One group's prompts written from a graph of its padded shape: row ``r`` into slot
+        ``first + r``; padding rows write to the spare slot and attend to themselves."""
+        pre = self._prefills.get((rows, width))
         if pre is None:
-            pre = self._prefills[bucket] = _Prefill(*self._staging(4, bucket))
-        staged = pre.host.numpy()  # rows: token ids, positions, slots, which prompt (-1: padding)
-        staged[:, tokens:] = 0
-        staged[2, tokens:] = self.slots  # the spare slot
-        staged[3, tokens:] = -1
-        at = 0
+            pre = self._prefills[(rows, width)] = _Prefill(*self._staging(rows, 2 + width))
+        staged = pre.host.numpy()
+        staged[:] = 0
+        staged[:, 0] = self.slots  # the spare slot
+        staged[:, 1] = 1
         for r, p in enumerate(prompts):
-            end = at + len(p)
-            staged[0, at:end] = p
-            staged[1, at:end] = self._ar_host[: len(p)]
-            staged[2, at:end] = first + r
-            staged[3, at:end] = r
-            at = end
+            staged[r, 0], staged[r, 1] = first + r, len(p)
+            staged[r, 2 : 2 + len(p)] = p
         pre.stage.copy_(pre.host, non_blocking=True)
         if not self.use_graphs:  # the same shapes run eagerly (tests on a CPU)
-            self._packed_body(pre.stage)
+            self._prefill_body(pre.stage)
             return
         if pre.graph is None:
-            what = f"prefill ({bucket} packed tokens)"
-            pre.graph, pre.out = self._capture(pre.stage, lambda: self._packed_body(pre.stage), what)
+            what = f"prefill ({rows} rows x {width} tokens)"
+            pre.graph, pre.out = self._capture(pre.stage, lambda: self._prefill_body(pre.stage), what)
         replay(pre.graph, self.device, self.runner, pre.out)
 
-    def _packed_body(self, st: torch.Tensor) -> torch.Tensor:
-        """Device ops only (one graph): the packed sequence's mask (a token sees the earlier tokens
-        of its own prompt; padding tokens see earlier padding), then the forward writing each
-        token's key and value at its slot and position."""
-        ar = self._ar[: st.shape[1]]
-        seen = (st[3][:, None] == st[3][None, :]) & (ar[None, :] <= ar[:, None])
-        mask = torch.where(seen, 0.0, self._neg).to(self.runner.dtype)[None, None]
-        pos = st[1:2]
-        self.cache.bind_fresh(pos, st[2:3])
+    def _prefill_body(self, st: torch.Tensor) -> torch.Tensor:
+        """Device ops only (one graph): ids, positions and a causal mask within each row's length
+        from the staged buffer, then the forward writing every row's slot."""
+        width = st.shape[1] - 2
+        ids, lens = st[:, 2:], st[:, 1:2]
+        ar = self._ar[:width]
+        pos = ar[None].expand_as(ids)
+        seen = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens[:, :, None])  # [R, q, kv]
+        seen = seen | torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padding: themselves
+        mask = torch.where(seen, 0.0, self._neg).to(self.runner.dtype)[:, None]
+        self.cache.bind_fresh(pos, st[:, 0])
         try:
-            logits = self._model_call(st[0:1], pos, mask, 1)
+            logits = self._model_call(ids, pos, mask, 1)
         finally:
             self.cache.bind(None)
         return logits[:, -1, :1].clone()  # the logits are not needed; a small output keeps the graph's

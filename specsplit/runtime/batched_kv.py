@@ -46,8 +46,7 @@ class _PoolLayer(CacheLayerMixin):
         if wpos is None:
             raise RuntimeError("BatchedKVCache.bind() must set the write positions before a forward")
         if o.slot_ids is not None:  # fresh prompts: rows of any slots, attending to their own tokens
-            slots = o.slot_ids[:, None, None] if o.slot_ids.dim() == 1 else o.slot_ids[:, None, :]
-            where = (slots, o.heads[None, :, None], wpos[:, None, :])
+            where = (o.slot_ids[:, None, None], o.heads[None, :, None], wpos[:, None, :])
             self.pool_keys.index_put_(where, key_states)
             self.pool_values.index_put_(where, value_states)
             return key_states, value_states
@@ -132,9 +131,8 @@ class BatchedKVCache(Cache):
     def bind_fresh(self, write_pos: torch.Tensor, slot_ids: torch.Tensor) -> None:
         """Set up a forward of fresh prompts: row ``b`` writes its tokens at positions
         ``write_pos[b]`` of slot ``slot_ids[b]`` (`[B]` device int64, any slots, repeats allowed for
-        rows whose keys are never read; or `[B, q]`, a slot per token, for prompts packed end to
-        end in one row) and attends to the forward's own tokens only (the slots' earlier contents
-        are neither read nor needed). Static shapes: a CUDA graph can hold it."""
+        rows whose keys are never read) and attends to the forward's own tokens only (the slots'
+        earlier contents are neither read nor needed). Static shapes: a CUDA graph can hold it."""
         self.write_pos, self.read_len, self.first_slot, self.slot_ids = (
             write_pos,
             write_pos.shape[1],
