@@ -565,6 +565,22 @@ def test_model_drafted_calls_share_batched_rounds_once_a_second_arrives(engines)
             again = g.generate(ids[:1], max_new_tokens=40, return_dict_in_generate=True)
         assert torch.equal(again.sequences, ref[0]) and srv.batch.rounds == rounds
         assert sum(x.tree_nodes for x in again.spec_stats.rounds) > 0
+        # A seeded sampled call keeps its own rounds while others run: its seed gives its output.
+        sampled = {"do_sample": True, "temperature": 0.8, "max_new_tokens": 24}
+        with loop_gen(srvs[0].address, TREES["chain4"]) as g:
+            want = g.generate(ids[1:2], generator=torch.Generator().manual_seed(7), **sampled)
+        holding.clear()
+        release.clear()
+        with ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(client, 0)
+            assert holding.wait(30)
+            with loop_gen(srv.address, TREES["chain4"]) as g:
+                got = g.generate(ids[1:2], generator=torch.Generator().manual_seed(7), return_dict_in_generate=True,
+                                 **sampled)  # fmt: skip
+            release.set()
+            busy.result(timeout=60)
+        assert torch.equal(got.sequences, want) and srv.batch.rounds == rounds
+        assert sum(x.tree_nodes for x in got.spec_stats.rounds) > 0
     finally:
         for s in (*srvs, d_srv):
             s.stop(grace=1.0)

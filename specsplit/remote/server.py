@@ -484,8 +484,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         counts as a generation running its own rounds until :meth:`_solo_done`.
 
         Rows join when batching is on and the batched rounds apply everything the call asks for.
-        A call the draft worker would draft for (``model``, ``hybrid``, ``auto``) runs its own
-        speculative rounds only while it is the worker's only generation. From two at once, batched
+        A greedy call the draft worker would draft for (``model``, ``hybrid``, ``auto``) runs its
+        own speculative rounds only while it is the worker's only generation. From two at once, batched
         rounds serve more tokens a second to every client: one round costs about one row's step
         whatever the rows (RESULTS, "Batched generation"), while solo sessions' draft levels and
         verifications take turns on the GPU, each level costing a large share of a target step on
@@ -505,7 +505,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if need > self.batch.target.capacity:
             return False
         if params.drafter not in ("ngram", "suffix") and self._draft_worker:
-            return self._solo > 0 or self.batch.live_rows > 0 or self.batch.waiting_rows > 0
+            # A seeded sampled generation draws other samples in the batched rounds than on its own
+            # (both exact draws from the target): it stays on its own so a seed reproduces its output.
+            busy = self._solo > 0 or self.batch.live_rows > 0 or self.batch.waiting_rows > 0
+            return busy and not params.sampling.do_sample
         return True
 
     def _solo_done(self) -> None:
