@@ -164,15 +164,12 @@ class _Clients:
     def __init__(self, n: int, address: str):
         import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        self.barrier = ctx.Barrier(n)
-        self.pipes, self.procs = [], []
-        for _ in range(n):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_client, args=(theirs, address, self.barrier), daemon=True)
-            p.start()
-            self.pipes.append(mine)
-            self.procs.append(p)
+        from specsplit.bench.batch import spawn_with_pipes
+
+        self.barrier = mp.get_context("spawn").Barrier(n)
+        self.pipes: list[Any] = []
+        self.procs: list[Any] = []
+        spawn_with_pipes(n, _client, (address, self.barrier), self.pipes, self.procs)
         for pipe in self.pipes:
             assert pipe.recv() == "ready"
 

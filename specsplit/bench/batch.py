@@ -510,17 +510,11 @@ class _ClientProcesses(_Clients):
     def __init__(self, n: int, cfg: Any):
         import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        self.barrier = ctx.Barrier(n + 1)
+        self.barrier = mp.get_context("spawn").Barrier(n + 1)
         self.pipes: list[Any] = []
         self.procs: list[Any] = []
         try:
-            for _ in range(n):
-                mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_client_process, args=(theirs, cfg, self.barrier), daemon=True)
-                proc.start()
-                self.pipes.append(mine)
-                self.procs.append(proc)
+            spawn_with_pipes(n, _client_process, (cfg, self.barrier), self.pipes, self.procs)
             for pipe in self.pipes:  # each says it is ready (imports done, generator built)
                 _reply(pipe)
         except BaseException:
@@ -547,6 +541,22 @@ class _ClientProcesses(_Clients):
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+
+
+def spawn_with_pipes(n: int, target: Callable[..., None], args: tuple[Any, ...], pipes: list[Any],
+                     procs: list[Any]) -> None:  # fmt: skip
+    """Start ``n`` daemon processes (``spawn``) running ``target(pipe, *args)``; our end of each
+    pipe goes to ``pipes`` and each process to ``procs`` as it starts (so a caller can stop those
+    already started if a later one fails)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    for _ in range(n):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(theirs, *args), daemon=True)
+        proc.start()
+        pipes.append(mine)
+        procs.append(proc)
 
 
 def _reply(pipe: Any) -> Any:
