@@ -255,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         return _hooked_worker(argv[1], argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="model directory (config, tokenizer, weights)")
+    ap.add_argument(
+        "--draft",
+        help="a draft model: the target worker drafts on a draft worker of it (--draft-address); a call "
+        "alone then runs its own speculative rounds (no queued / prompt-forward / round entries), calls "
+        "that arrive while others run join the batched rounds",
+    )
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--clients", default="1,16")
@@ -294,8 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         trace = str(Path(tmp) / "worker.json")
-        worker = _worker(trace, args.target, args.device, args.dtype, wargs).start()
+        drafter = None
+        if args.draft:
+            from specsplit.remote.launch import WorkerProcess
+
+            drafter = WorkerProcess(
+                "draft", args.draft, device=args.device, dtype=args.dtype, args=wargs
+            ).start()
+            wargs = [*wargs, "--draft-address", drafter.address]
+            res["worker_args"] = wargs
         raw: list[tuple[int, int, list[dict[str, Any]]]] = []
+        try:
+            worker = _worker(trace, args.target, args.device, args.dtype, wargs).start()
+        except BaseException:
+            if drafter is not None:
+                drafter.stop()
+            raise
         try:
             for n in counts:
                 rows = interleaved(prompts, n)
@@ -313,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                     clients.close()
         finally:
             worker.stop(grace=10.0)
+            if drafter is not None:
+                drafter.stop()
             print("".join(worker._log[-15:]))  # the worker's start-up lines (graph captures)
         events = json.loads(Path(trace).read_text())
     for n, rep, got in raw:
