@@ -586,6 +586,30 @@ def test_model_drafted_calls_share_batched_rounds_once_a_second_arrives(engines)
             s.stop(grace=1.0)
 
 
+def test_a_cancelled_model_drafted_call_leaves_the_worker_free_for_its_own_rounds(engines) -> None:
+    """A lone model-drafted Generate call that its client cancels (a stop string) no longer counts
+    as a running generation: the next lone call speculates on its own rounds again, as if the
+    cancelled one had run to its end."""
+    ids, _ = prompts(1, seed=12)
+    tok = CharTokenizer()
+    d_srv = serve_draft(engines[0])
+    srv = serve_target(engines[1], draft_address=d_srv.address, max_batch=4, batch_capacity=256)
+    try:
+        with loop_gen(srv.address, TREES["chain4"], tokenizer=tok) as gen:
+            full = gen.generate(ids, max_new_tokens=40)
+            stop = f"<{full[0, ids.shape[1] + 12].item()}>"
+            cut = gen.generate(ids, max_new_tokens=40, stop_strings=[stop])
+            assert cut.shape[1] < full.shape[1]  # the call was cancelled mid-generation
+            # the worker notices the cancel at its next round; then its session ends on both workers
+            assert wait_until(lambda: sessions(srv.address, d_srv.address) == (0, 0), timeout=10)
+            again = gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True)
+        assert torch.equal(again.sequences, full) and srv.batch.rounds == 0
+        assert sum(x.tree_nodes for x in again.spec_stats.rounds) > 0
+    finally:
+        srv.stop(grace=1.0)
+        d_srv.stop(grace=1.0)
+
+
 def test_batched_worker_frees_a_cancelled_row_and_keeps_serving(engines) -> None:
     """On a batching worker: a stop string cancels a client's call mid-generation (its row leaves the
     pool), a bad request gets INVALID_ARGUMENT, and the next clients are served exactly."""

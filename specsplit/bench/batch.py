@@ -335,7 +335,7 @@ class _ClientWorkers:
     loaded, a draft worker (the client loop's) and a second batching target worker drafting on it
     (``grpc-model-targetloop``). ``specsplit serve`` processes, or servers inside this process (which
     then share its GIL with every client thread). ``addresses``: (target, draft, target with a draft
-    worker), the last two None without the draft model."""
+    worker), the last two None without the draft model, the last None unless its decoder runs."""
 
     def __init__(self, m: BenchModels, opts: BatchBenchOptions, most: int, capacity: int):
         from specsplit import DraftEngine, TargetEngine
@@ -346,6 +346,7 @@ class _ClientWorkers:
 
         self.processes: list[Any] = []
         self.servers: list[Any] = []
+        want_loop = TARGET_LOOP_MODEL_DECODER in opts.decoders  # the second target worker only if run
         if opts.workers == "process" and not opts.tiny:
             flags = ["--cuda-graphs"] if opts.cuda_graphs else []
             flags += ["--compile"] if opts.compile else []
@@ -360,7 +361,11 @@ class _ClientWorkers:
             try:
                 target = start("target", m.target_name, [])
                 draft = start("draft", m.draft_name, []) if m.draft is not None else None
-                loop = start("target", m.target_name, ["--draft-address", draft]) if draft else None
+                loop = (
+                    start("target", m.target_name, ["--draft-address", draft])
+                    if draft and want_loop
+                    else None
+                )
             except BaseException:
                 self.close()
                 raise
@@ -382,8 +387,11 @@ class _ClientWorkers:
         d_engine = DraftEngine(m.specsplit_draft, DraftConfig(cuda_graphs=opts.cuda_graphs))
         self.servers.append(serve_draft(d_engine, max_workers=most + 4, admission=limits, max_batch=most,
                                         batch_capacity=capacity))  # fmt: skip
-        self.servers.append(target_server(self.servers[1].address))
-        self.addresses = tuple(srv.address for srv in self.servers)  # type: ignore[assignment]
+        loop_server = target_server(self.servers[1].address) if want_loop else None
+        if loop_server is not None:
+            self.servers.append(loop_server)
+        self.addresses = (self.servers[0].address, self.servers[1].address,
+                          loop_server.address if loop_server is not None else None)  # fmt: skip
 
     def peak_gpu_bytes(self) -> int | None:
         """This process's peak GPU memory (None with worker processes: theirs is their own)."""
