@@ -39,6 +39,7 @@ class SpecStats:
     draft_fallback: bool = False  # the draft became unreachable and decoding went on target-only
     spec_rounds: int = 0  # overlapped mode: rounds that drafted the next round speculatively
     spec_hits: int = 0  # ... whose speculation held (the next tree was ready)
+    stopped: bool = False  # a stop condition (EOS id, stop string, stopping criteria) ended it
 
     @property
     def new_tokens(self) -> int:

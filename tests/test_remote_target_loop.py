@@ -518,7 +518,7 @@ def test_model_drafted_calls_share_batched_rounds_once_a_second_arrives(engines)
     """A batching target worker with a draft worker: a model-drafted Generate call alone runs its own
     speculative rounds on the draft worker; calls that arrive while it runs join the batched rounds
     (target-only there). Every client gets exactly what a worker without batching gives it, and
-    once all have ended a lone call speculates again."""
+    once all have ended a lone call speculates again. A seeded sampled call keeps its own rounds."""
     ids, _ = prompts(5, seed=33)
     d_srv = serve_draft(engines[0])
     srvs = [serve_target(engines[1], draft_address=d_srv.address, max_batch=mb, batch_capacity=256)
@@ -579,8 +579,9 @@ def test_model_drafted_calls_share_batched_rounds_once_a_second_arrives(engines)
                                  **sampled)  # fmt: skip
             release.set()
             busy.result(timeout=60)
-        assert torch.equal(got.sequences, want) and srv.batch.rounds == rounds
-        assert sum(x.tree_nodes for x in got.spec_stats.rounds) > 0
+        # (the greedy call it found running moves to the batched rounds: only the sampled one stays)
+        assert torch.equal(got.sequences, want)
+        assert all(x.tree_nodes > 0 for x in got.spec_stats.rounds[:-1]), got.spec_stats.rounds
     finally:
         for s in (*srvs, d_srv):
             s.stop(grace=1.0)
@@ -682,3 +683,83 @@ def test_batched_worker_gathers_client_loop_verifications(engines, draft_batch) 
             d_srv.stop(grace=1.0)
     for i in range(ids.shape[0]):
         assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"
+
+
+def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_starts(engines) -> None:
+    """A greedy model-drafted call running its own rounds moves to the batched rounds at the end of
+    a round once another generation runs, instead of sharing the GPU with the batch for the rest
+    of its generation. Its output is exactly a non-batching worker's; a stop string that spans the
+    move (the client cancels the call) still cuts it where it would have."""
+    ids, _ = prompts(2, seed=41)
+    tok = CharTokenizer()
+    d_srv = serve_draft(engines[0])
+    srvs = [serve_target(engines[1], draft_address=d_srv.address, max_batch=mb, batch_capacity=256)
+            for mb in (0, 4)]  # fmt: skip
+    draft_engine = engines[0]
+    real_generate = draft_engine.generate
+    try:
+        with loop_gen(srvs[0].address, TREES["chain4"], tokenizer=tok) as gen:
+            ref = [gen.generate(ids[i : i + 1], max_new_tokens=40) for i in range(2)]
+        srv = srvs[1]
+        assert srv.batch is not None
+        target = srv.batch.target
+        real_round = target.round
+        drafts, draft_gate, draft_held = [0], threading.Event(), threading.Event()
+        round_gate, round_held = threading.Event(), threading.Event()
+
+        def gated_draft(req):  # noqa: ANN001, ANN202  the lone call's third draft waits for the gate
+            drafts[0] += 1
+            if drafts[0] == 3:
+                draft_held.set()
+                assert draft_gate.wait(30)
+            return real_generate(req)
+
+        def gated_round(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202  the batch holds its first round
+            if not round_held.is_set():
+                round_held.set()
+                assert round_gate.wait(30)
+            return real_round(*args, **kwargs)
+
+        def first(stop: list[str] | None = None):  # noqa: ANN202
+            with loop_gen(srv.address, TREES["chain4"], tokenizer=tok) as g:
+                kw = {"stop_strings": stop} if stop else {}
+                return g.generate(ids[:1], max_new_tokens=40, return_dict_in_generate=True, **kw)
+
+        def second():  # noqa: ANN202
+            with loop_gen(srv.address, TREES["chain4"], tokenizer=tok) as g:
+                return g.generate(ids[1:2], max_new_tokens=40, return_dict_in_generate=True)
+
+        def race(stop: list[str] | None = None):  # noqa: ANN202
+            drafts[0] = 0
+            for e in (draft_gate, draft_held, round_gate, round_held):
+                e.clear()
+            with ThreadPoolExecutor(2) as pool:
+                lone = pool.submit(first, stop)
+                assert draft_held.wait(30)  # two rounds sent, the third drafting
+                other = pool.submit(second)
+                assert round_held.wait(30)  # the second call's row is live in the batch
+                draft_gate.set()  # the lone call's next round ends; it sees the batch and moves
+                assert wait_until(lambda: srv.batch.waiting_rows == 1, timeout=30)
+                round_gate.set()
+                return lone.result(timeout=60), other.result(timeout=60)
+
+        draft_engine.generate = gated_draft
+        target.round = gated_round
+        moved, other = race()
+        assert torch.equal(moved.sequences, ref[0]) and torch.equal(other.sequences, ref[1])
+        nodes = [x.tree_nodes for x in moved.spec_stats.rounds]
+        assert nodes[:2] == [4, 4], nodes  # its own two rounds verified the draft worker's chains ...
+        assert len(nodes) > 2 and not any(nodes[2:]), nodes  # ... then it ran as a batched row
+        # A stop string made of tokens on both sides of the move cuts the output where it would have.
+        n_own = sum(x.committed for x in moved.spec_stats.rounds[:2])
+        at = ids.shape[1] + n_own
+        stop = "".join(f"<{t}>" for t in ref[0][0, at - 1 : at + 1].tolist())
+        with loop_gen(srvs[0].address, TREES["chain4"], tokenizer=tok) as gen:
+            want = gen.generate(ids[:1], max_new_tokens=40, stop_strings=[stop])
+        assert want.shape[1] == at + 1
+        cut, _ = race([stop])
+        assert torch.equal(cut.sequences, want)
+    finally:
+        draft_engine.generate = real_generate
+        for s in (*srvs, d_srv):
+            s.stop(grace=1.0)

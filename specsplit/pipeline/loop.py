@@ -123,6 +123,7 @@ def decode_rounds(
             if defer_updates and not stopped:
                 deferred = (kept, rs)
                 continue
+            stats.stopped = stats.stopped or stopped
             yield kept, rs
             if stopped:  # 5. stop
                 break

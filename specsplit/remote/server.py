@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -485,12 +485,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
         Rows join when batching is on and the batched rounds apply everything the call asks for.
         A greedy call the draft worker would draft for (``model``, ``hybrid``, ``auto``) runs its
-        own speculative rounds only while it is the worker's only generation. From two at once, batched
-        rounds serve more tokens a second to every client: one round costs about one row's step
-        whatever the rows (RESULTS, "Batched generation"), while solo sessions' draft levels and
-        verifications take turns on the GPU, each level costing a large share of a target step on
-        the shipped pair. In the batch such a row drafts what the batched rounds can (its drafter's
-        n-grams, or nothing), and the batch planner turns speculation down where it does not pay.
+        own speculative rounds only while it is the worker's only generation, and moves to the
+        batched rounds at the end of a round once another one starts (:meth:`_generate_solo`).
+        From two at once, batched rounds serve more tokens a second to every client: one round
+        costs about one row's step whatever the rows (RESULTS, "Batched generation"), while solo
+        sessions' draft levels and verifications take turns on the GPU with the batch, each level
+        costing a large share of a target step on the shipped pair. In the batch such a row drafts
+        what the batched rounds can (its drafter's n-grams, or nothing), and the batch planner
+        turns speculation down where it does not pay.
         """
         with self._solo_lock:
             batched = self._joins_batch(req, params)
@@ -499,17 +501,31 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return batched
 
     def _joins_batch(self, req: GenerateRequest, params: DecodeParams) -> bool:
+        if not self._batchable(req, params):
+            return False
+        if self._movable(params):
+            return self._busy(self._solo)
+        return not (params.drafter not in ("ngram", "suffix") and self._draft_worker)
+
+    def _batchable(self, req: GenerateRequest, params: DecodeParams) -> bool:
+        """Whether the batched rounds apply everything the call asks for, and its row fits a slot."""
         if self.batch is None or params.processing is not None or params.overlap:
             return False
         need = len(req.prompt_token_ids) + params.max_new_tokens + 1 + max(self.batch.planner.sizes)
-        if need > self.batch.target.capacity:
-            return False
-        if params.drafter not in ("ngram", "suffix") and self._draft_worker:
-            # A seeded sampled generation draws other samples in the batched rounds than on its own
-            # (both exact draws from the target): it stays on its own so a seed reproduces its output.
-            busy = self._solo > 0 or self.batch.live_rows > 0 or self.batch.waiting_rows > 0
-            return busy and not params.sampling.do_sample
-        return True
+        return need <= self.batch.target.capacity
+
+    def _movable(self, params: DecodeParams) -> bool:
+        """A call the draft worker drafts for that the batched rounds may take over: a greedy one.
+        A seeded sampled generation draws other samples in the batched rounds than on its own (both
+        exact draws from the target): it stays on its own so a seed reproduces its output."""
+        return (
+            params.drafter not in ("ngram", "suffix") and self._draft_worker and not params.sampling.do_sample
+        )
+
+    def _busy(self, solo: int) -> bool:
+        """Whether another generation runs (``solo``: the calls on their own rounds to count)."""
+        assert self.batch is not None
+        return solo > 0 or self.batch.live_rows > 0 or self.batch.waiting_rows > 0
 
     def _solo_done(self) -> None:
         with self._solo_lock:
@@ -581,20 +597,35 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self._batched(req, params):
             yield from self._generate_batched(req, params, context)
             return
+        t0 = time.perf_counter()
         try:
-            yield from self._generate_solo(req, params, context)
+            out: list[int] = []
+            moved = yield from self._generate_solo(req, params, context, out)
         finally:
             self._solo_done()
+        if moved:  # the rest of the generation in the batched rounds, from what it committed so far
+            rest = replace(params, max_new_tokens=params.max_new_tokens - len(out))
+            yield from self._generate_batched(req, rest, context, out, t0)
 
     def _generate_solo(
-        self, req: GenerateRequest, params: DecodeParams, context: grpc.ServicerContext
-    ) -> Iterator[pb.GenerateResponse]:
-        """``Generate`` on rounds of its own (:func:`~specsplit.pipeline.decode_rounds`)."""
+        self, req: GenerateRequest, params: DecodeParams, context: grpc.ServicerContext, out: list[int]
+    ) -> Generator[pb.GenerateResponse, None, bool]:
+        """``Generate`` on rounds of its own (:func:`~specsplit.pipeline.decode_rounds`); ``out``
+        collects the committed tokens. Returns True when the generation stopped early to move to
+        the batched rounds (nothing final was sent then).
+
+        A greedy call the batched rounds can take (:meth:`_movable`) moves there at the end of a
+        round once another generation runs: from then on its own draft levels and verifications
+        would take turns on the GPU with the batched rounds, slowing every row of the batch and
+        itself, while in the batch it costs the others almost nothing.
+        """
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
+        movable = self._batchable(req, params) and self._movable(params)
+        moved = False
         # Each round goes to the client once the next round's draft is under way (defer_updates): the
         # hand-off to gRPC then overlaps the draft's GPU work instead of delaying its launch.
         rounds = decode_rounds(
-            self.loop, req.prompt_token_ids, params, [], stats, req.session_id, defer_updates=True
+            self.loop, req.prompt_token_ids, params, out, stats, req.session_id, defer_updates=True
         )
         try:
             with torch.inference_mode(), self._h.locks.hold(req.session_id):
@@ -608,25 +639,42 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                         if item is None:
                             break
                         yield convert.generate_update_to_proto(GenerateUpdate([item]))
+                        # ``out`` holds the rounds sent so far (the next one is not verified yet)
+                        more = not stats.stopped and len(out) < params.max_new_tokens
+                        if movable and more and self._busy(self._solo - 1):
+                            moved = True
+                            break
                 finally:
                     rounds.close()  # ends the session on both workers, also when the client cancelled
         except Exception as e:
             self._h.fail(context, e, req.session_id)
+        if moved:
+            return True
         done = GenerateUpdate([], True, stats.recoveries, stats.draft_fallback, stats.wall_time_s)
         yield convert.generate_update_to_proto(done)
+        return False
 
     def _generate_batched(
-        self, req: GenerateRequest, params: DecodeParams, context: grpc.ServicerContext
+        self,
+        req: GenerateRequest,
+        params: DecodeParams,
+        context: grpc.ServicerContext,
+        history: list[int] | None = None,
+        started: float | None = None,
     ) -> Iterator[pb.GenerateResponse]:
         """``Generate`` through the shared batched rounds (:mod:`specsplit.pipeline.batch`): this
         call's row joins the next round with a free slot; whichever waiting call is free runs the
-        rounds for all. A cancelled call drops its row at the end of the current round."""
+        rounds for all. A cancelled call drops its row at the end of the current round.
+        ``history``: tokens the call committed on its own rounds before it moved here, at
+        ``started`` (``time.perf_counter()``)."""
         assert self.batch is not None
         ngram = None if params.drafter == "model" else params.ngram
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
+        history = history or []
         try:
             with self._h.locks.hold(req.session_id):
-                ticket = self.batch.submit(BatchRequest(req.prompt_token_ids, params), ngram)
+                # Stop strings are the client's (it cancels the call): EOS ids need no history.
+                ticket = self.batch.submit(BatchRequest(req.prompt_token_ids + history, params), ngram)
                 # A generator: closing it cancels the row. Rounds coalesce into one message per
                 # STREAM_EVERY_S: each message costs this worker's Python a send and a wake-up.
                 rounds = self.batch.follow_chunks(ticket, STREAM_EVERY_S)
