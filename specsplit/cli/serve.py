@@ -136,11 +136,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--max-batch",
         type=int,
         default=0,
-        help="rows a batched forward holds. Target: concurrent Generate calls (grpc_loop='target') that need "
-        "no draft worker (n-gram drafting, or target-only) share one target forward per round "
-        "(continuous batching), and greedy client-loop sessions' VerifyDrafts calls are verified "
-        "together. Draft: greedy client-loop sessions' chain drafts are drafted together. "
-        "0 (default): each call runs its own rounds",
+        help="rows a batched forward holds. Target: concurrent Generate calls (grpc_loop='target') "
+        "share one target forward per round (continuous batching; with --draft-address a greedy "
+        "model-drafted call drafts on the draft worker only while it is the only generation), and "
+        "greedy client-loop sessions' VerifyDrafts calls are verified together. Draft: greedy "
+        "client-loop sessions' chain drafts are drafted together. 0 (default): each call runs its "
+        "own rounds",
     )
     p.add_argument(
         "--batch-capacity",

@@ -303,9 +303,11 @@ def serve_target(
             (``SpecSplitConfig.drafter``); the n-gram drafters run on this worker, with no draft worker.
         ngram: how this worker's n-gram drafters propose trees.
         check_draft: ping the draft worker before serving.
-        max_batch: ``Generate`` calls that need no draft worker (n-gram drafting, or target-only)
-            share batched rounds, up to this many rows a round (continuous batching,
-            :mod:`specsplit.pipeline.batch`), and greedy client-loop sessions' ``VerifyDrafts`` calls
+        max_batch: concurrent ``Generate`` calls share batched rounds, up to this many rows a
+            round (continuous batching, :mod:`specsplit.pipeline.batch`; with ``draft_address``, a
+            greedy model-drafted call drafts on the draft worker only while it is the worker's only
+            generation, see :class:`~specsplit.remote.server.TargetServicer`), and greedy
+            client-loop sessions' ``VerifyDrafts`` calls
             are verified together, up to this many sessions a forward
             (:mod:`specsplit.engines.batched_sessions`); ``0``: each call runs its own rounds.
         batch_capacity: positions (prompt + new tokens) a batched row may need; the pool holds
