@@ -522,6 +522,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             params.drafter not in ("ngram", "suffix") and self._draft_worker and not params.sampling.do_sample
         )
 
+    def _room(self) -> bool:
+        """Whether the batched rounds would take one more waiting row now (else a call keeps its own
+        rounds rather than fail mid-generation)."""
+        assert self.batch is not None
+        return self.batch.waiting_rows < self.batch.max_waiting
+
     def _busy(self, solo: int) -> bool:
         """Whether another generation runs (``solo``: the calls on their own rounds to count)."""
         assert self.batch is not None
@@ -641,7 +647,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                         yield convert.generate_update_to_proto(GenerateUpdate([item]))
                         # ``out`` holds the rounds sent so far (the next one is not verified yet)
                         more = not stats.stopped and len(out) < params.max_new_tokens
-                        if movable and more and self._busy(self._solo - 1):
+                        if movable and more and self._busy(self._solo - 1) and self._room():
                             moved = True
                             break
                 finally:
