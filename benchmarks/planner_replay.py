@@ -9,10 +9,12 @@ growing 2.3% a node and 0.5 ms of host work a tree round: the H200's plain-graph
 ``results/h200-2026-11-28-drafters-2``). The planner is given the same profile, so only its
 acceptance estimates decide. ``--oracle`` replaces the planner with one that knows, each round,
 how many nodes of each tree size the answer would accept: the most any planner could get from
-these proposals at this profile.
+these proposals at this profile. ``--propose-ms`` (``--propose-match-ms`` when a proposal matched)
+also charges the drafter's host work on every round the loop asks it for a proposal, tree round or
+not: a generation that stops proposing saves it.
 
     python benchmarks/planner_replay.py record            # greedy fp32 answers of the bench prompts
-    python benchmarks/planner_replay.py replay [--oracle] [--host-ms 0.5]
+    python benchmarks/planner_replay.py replay [--oracle] [--host-ms 0.5] [--propose-ms 0.07 --propose-match-ms 0.26]
 
 ``record`` runs HF ``generate()`` on a CPU (4 prompts a category, 128 tokens; ~30 s a prompt on 2
 cores) into ``results/planner_replay-answers.jsonl``. Projected ratios are a model of a GPU run,
@@ -113,7 +115,14 @@ class _Answer:
 
 
 def replay(
-    mode: str, step_ms: float, per_node: float, host_ms: float, oracle: bool, path: Path = ANSWERS
+    mode: str,
+    step_ms: float,
+    per_node: float,
+    host_ms: float,
+    oracle: bool,
+    path: Path = ANSWERS,
+    propose_ms: float = 0.0,
+    match_ms: float | None = None,
 ) -> dict[str, Any]:
     from specsplit.engines.cost_model import CostModel, FixedCosts, RoundPlan
     from specsplit.engines.drafters import NgramDrafter, NgramSession
@@ -125,14 +134,16 @@ def replay(
     planner = CostModel(mode, 0, 32, padded=True, costs=FixedCosts(fixed=0.0, verify=cost))
     drafter = NgramDrafter(suffix=mode == "suffix")
     state: dict[str, Any] = {}
+    propose = NgramSession.propose
+    miss_s, hit_s = propose_ms * 1e-3, (propose_ms if match_ms is None else match_ms) * 1e-3
+
+    def remember(self: NgramSession) -> Any:  # every proposal the loop asks for costs host time
+        state["proposal"] = p = propose(self)
+        state["target"].seconds += hit_s if p.num_nodes else miss_s
+        return p
+
+    NgramSession.propose = remember  # type: ignore[method-assign]
     if oracle:
-        propose = NgramSession.propose
-
-        def remember(self: NgramSession) -> Any:
-            state["proposal"] = propose(self)
-            return state["proposal"]
-
-        NgramSession.propose = remember  # type: ignore[method-assign]
 
         def best(scores: Any, model_available: bool) -> RoundPlan:
             p, target = state["proposal"], state["target"]
@@ -151,8 +162,7 @@ def replay(
     try:
         _run(answers, mode, planner, drafter, cost, state, by)
     finally:
-        if oracle:
-            NgramSession.propose = propose  # type: ignore[method-assign]
+        NgramSession.propose = propose  # type: ignore[method-assign]
     total = sum(b[1] for b in by.values()) / sum(b[0] for b in by.values())
     return {
         "overall": round(total, 3),
@@ -199,6 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     q.add_argument("--host-ms", type=float, default=0.5, help="host work a tree round adds")
     q.add_argument(
+        "--propose-ms",
+        type=float,
+        default=0.0,
+        help="host work of every proposal the loop asks the drafter for (any round, tree or not)",
+    )
+    q.add_argument(
+        "--propose-match-ms",
+        type=float,
+        default=None,
+        help="the same for a proposal that matched (default: --propose-ms)",
+    )
+    q.add_argument(
         "--oracle", action="store_true", help="a planner that knows what each tree would get accepted"
     )
     for sp in (r, q):
@@ -207,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "record":
         record(a.target, a.prompts_per_category, a.max_new_tokens, a.threads, a.answers)
     else:
-        print(json.dumps(replay(a.drafter, a.step_ms, a.per_node, a.host_ms, a.oracle, a.answers), indent=1))
+        result = replay(
+            a.drafter, a.step_ms, a.per_node, a.host_ms, a.oracle, a.answers, a.propose_ms, a.propose_match_ms
+        )
+        print(json.dumps(result, indent=1))
     return 0
 
 

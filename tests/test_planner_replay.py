@@ -53,3 +53,22 @@ def test_accepted_counts_the_nodes_on_the_answers_path():
     assert mod.accepted(p, [7, 9]) == 2  # the depth-3 node is not covered yet
     assert mod.accepted(p, [8, 9, 11]) == 2  # a wrong parent fails its whole subtree
     assert mod.accepted(p, [5]) == 0 and mod.accepted(p, []) == 0
+
+
+def test_proposal_host_time_is_charged_on_every_round_that_proposes(tmp_path):
+    loop = [5, 17, 33, 81, 9, 100, 12]
+    answers = [
+        {
+            "id": "free-01",
+            "category": "free",
+            "prompt": loop * 2,
+            "new": [200 + (i * 37) % 500 for i in range(64)],
+        }
+    ]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(a) + "\n" for a in answers))
+    mod = _module()
+    free = mod.replay("ngram", 3.85, 0.023, 0.5, False, path)["categories"]["free"]
+    charged = mod.replay("ngram", 3.85, 0.023, 0.5, False, path, propose_ms=0.07)["categories"]["free"]
+    assert charged["tree_rounds"] == free["tree_rounds"]  # the same rounds, each proposal now costs
+    assert charged["x"] < free["x"] - 0.01

@@ -604,21 +604,35 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             yield from self._generate_batched(req, params, context)
             return
         t0 = time.perf_counter()
+        counted = [True]
+
+        def release() -> None:  # once: the call no longer runs its own rounds
+            if counted[0]:
+                counted[0] = False
+                self._solo_done()
+
         try:
             out: list[int] = []
-            moved = yield from self._generate_solo(req, params, context, out)
+            moved = yield from self._generate_solo(req, params, context, out, release)
         finally:
-            self._solo_done()
+            release()
         if moved:  # the rest of the generation in the batched rounds, from what it committed so far
             rest = replace(params, max_new_tokens=params.max_new_tokens - len(out))
             yield from self._generate_batched(req, rest, context, out, t0)
 
     def _generate_solo(
-        self, req: GenerateRequest, params: DecodeParams, context: grpc.ServicerContext, out: list[int]
+        self,
+        req: GenerateRequest,
+        params: DecodeParams,
+        context: grpc.ServicerContext,
+        out: list[int],
+        release: Callable[[], None],
     ) -> Generator[pb.GenerateResponse, None, bool]:
         """``Generate`` on rounds of its own (:func:`~specsplit.pipeline.decode_rounds`); ``out``
         collects the committed tokens. Returns True when the generation stopped early to move to
-        the batched rounds (nothing final was sent then).
+        the batched rounds (nothing final was sent then). ``release`` stops counting the call as a
+        generation on its own rounds; it runs before the call's sessions end, so whoever sees them
+        gone sees the worker free for the next lone call.
 
         A greedy call the batched rounds can take (:meth:`_movable`) moves there at the end of a
         round once another generation runs: from then on its own draft levels and verifications
@@ -651,6 +665,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                             moved = True
                             break
                 finally:
+                    release()
                     rounds.close()  # ends the session on both workers, also when the client cancelled
         except Exception as e:
             self._h.fail(context, e, req.session_id)
