@@ -18,19 +18,24 @@ def _module():
     return mod
 
 
-def test_replay_reproduces_answers_and_the_oracle_bounds_the_planner(tmp_path):
-    loop = [5, 17, 33, 81, 9, 100, 12]
-    answers = [
-        {"id": "copy-01", "category": "copy", "prompt": loop * 4, "new": (loop * 12)[:64]},
-        {
-            "id": "free-01",
-            "category": "free",
-            "prompt": loop * 2,
-            "new": [200 + (i * 37) % 500 for i in range(64)],
-        },
-    ]
+LOOP = [5, 17, 33, 81, 9, 100, 12]
+COPY = {"id": "copy-01", "category": "copy", "prompt": LOOP * 4, "new": (LOOP * 12)[:64]}
+FREE = {
+    "id": "free-01",
+    "category": "free",
+    "prompt": LOOP * 2,
+    "new": [200 + (i * 37) % 500 for i in range(64)],
+}
+
+
+def _answers(tmp_path: Path, answers: list[dict]) -> Path:
     path = tmp_path / "answers.jsonl"
     path.write_text("".join(json.dumps(a) + "\n" for a in answers))
+    return path
+
+
+def test_replay_reproduces_answers_and_the_oracle_bounds_the_planner(tmp_path):
+    path = _answers(tmp_path, [COPY, FREE])
     mod = _module()
     real = mod.replay("ngram", 3.85, 0.023, 0.5, False, path)
     best = mod.replay("ngram", 3.85, 0.023, 0.5, True, path)
@@ -56,17 +61,7 @@ def test_accepted_counts_the_nodes_on_the_answers_path():
 
 
 def test_proposal_host_time_is_charged_on_every_round_that_proposes(tmp_path):
-    loop = [5, 17, 33, 81, 9, 100, 12]
-    answers = [
-        {
-            "id": "free-01",
-            "category": "free",
-            "prompt": loop * 2,
-            "new": [200 + (i * 37) % 500 for i in range(64)],
-        }
-    ]
-    path = tmp_path / "answers.jsonl"
-    path.write_text("".join(json.dumps(a) + "\n" for a in answers))
+    path = _answers(tmp_path, [FREE])
     mod = _module()
     free = mod.replay("ngram", 3.85, 0.023, 0.5, False, path)["categories"]["free"]
     charged = mod.replay("ngram", 3.85, 0.023, 0.5, False, path, propose_ms=0.07)["categories"]["free"]
