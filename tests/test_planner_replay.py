@@ -3,20 +3,10 @@ oracle planner (which knows each tree's outcome) never projects less than the re
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "planner_replay.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("planner_replay", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from conftest import load_benchmark
 
 LOOP = [5, 17, 33, 81, 9, 100, 12]
 COPY = {"id": "copy-01", "category": "copy", "prompt": LOOP * 4, "new": (LOOP * 12)[:64]}
@@ -36,7 +26,7 @@ def _answers(tmp_path: Path, answers: list[dict]) -> Path:
 
 def test_replay_reproduces_answers_and_the_oracle_bounds_the_planner(tmp_path):
     path = _answers(tmp_path, [COPY, FREE])
-    mod = _module()
+    mod = load_benchmark("planner_replay")
     real = mod.replay("ngram", 3.85, 0.023, 0.5, False, path)
     best = mod.replay("ngram", 3.85, 0.023, 0.5, True, path)
     assert real["categories"]["copy"]["x"] > 2.0  # the answer repeats the prompt: long trees hold
@@ -53,7 +43,7 @@ def test_accepted_counts_the_nodes_on_the_answers_path():
     p = Proposal(
         [7, 8, 9, 10, 9, 11], [-1, -1, 0, 0, 1, 2], [1, 1, 2, 2, 2, 3], [0.9, 0.5, 0.6, 0.3, 0.4, 0.5]
     )
-    mod = _module()
+    mod = load_benchmark("planner_replay")
     assert mod.accepted(p, [7, 9, 11, 4]) == 3
     assert mod.accepted(p, [7, 9]) == 2  # the depth-3 node is not covered yet
     assert mod.accepted(p, [8, 9, 11]) == 2  # a wrong parent fails its whole subtree
@@ -62,7 +52,7 @@ def test_accepted_counts_the_nodes_on_the_answers_path():
 
 def test_proposal_host_time_is_charged_on_every_round_that_proposes(tmp_path):
     path = _answers(tmp_path, [FREE])
-    mod = _module()
+    mod = load_benchmark("planner_replay")
     free = mod.replay("ngram", 3.85, 0.023, 0.5, False, path)["categories"]["free"]
     charged = mod.replay("ngram", 3.85, 0.023, 0.5, False, path, propose_ms=0.07)["categories"]["free"]
     assert charged["tree_rounds"] == free["tree_rounds"]  # the same rounds, each proposal now costs

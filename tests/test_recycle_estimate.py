@@ -3,23 +3,13 @@ what the top-k table would have drafted (a text the table already knows is draft
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "recycle_estimate.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("recycle_estimate", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_benchmark
 
 
 def test_template_is_best_first():
-    mod = _module()
+    mod = load_benchmark("recycle_estimate")
     tree = mod._template([0.5, 0.2], 4)
     # root children by rank, then the rank-0 child's rank-0 child (0.25) before the root's rank 1 (0.2)
     assert tree[:2] == [(-1, 0), (0, 0)] and tree[2] == (-1, 1) and len(tree) == 4
@@ -33,7 +23,7 @@ def _rows(top_of):  # noqa: ANN001, ANN202
 
 
 def test_a_known_continuation_is_drafted_deep_and_a_wrong_table_drafts_nothing(tmp_path):
-    mod = _module()
+    mod = load_benchmark("recycle_estimate")
     right = _rows(lambda ids, p: ids[p + 1] if p + 1 < len(ids) else 0)  # the target's top-1 is the answer
     wrong = _rows(lambda ids, p: 42)
     for rows, low, high in ((right, 4.0, 20.0), (wrong, 1.0, 1.0)):

@@ -747,6 +747,9 @@ def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_star
         target.round = gated_round
         moved, other = race()
         assert torch.equal(moved.sequences, ref[0]) and torch.equal(other.sequences, ref[1])
+        # the call's own sessions ended on both workers when it moved (and its row left the pool)
+        assert wait_until(lambda: sessions(srv.address, d_srv.address) == (0, 0), timeout=10)
+        assert wait_until(lambda: srv.batch.live_rows == 0, timeout=10)
         nodes = [x.tree_nodes for x in moved.spec_stats.rounds]
         assert nodes[:2] == [4, 4], nodes  # its own two rounds verified the draft worker's chains ...
         assert len(nodes) > 2 and not any(nodes[2:]), nodes  # ... then it ran as a batched row

@@ -4,19 +4,14 @@ without capture or profiling): plain steps and padded n-gram-shaped trees verify
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "round_kernels.py"
+from conftest import load_benchmark
 
 
 def _script() -> ModuleType:
     """The script with a tiny model of the same family (the timing code runs unchanged)."""
-    spec = importlib.util.spec_from_file_location("round_kernels", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("round_kernels")
     mod.QWEN_1_5B = dict(mod.QWEN_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)  # fmt: skip
     return mod

@@ -503,9 +503,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def _joins_batch(self, req: GenerateRequest, params: DecodeParams) -> bool:
         if not self._batchable(req, params):
             return False
-        if self._movable(params):
-            return self._busy(self._solo)
-        return not (params.drafter not in ("ngram", "suffix") and self._draft_worker)
+        if not self._drafts_on_worker(params):
+            return True
+        return self._movable(params) and self._busy(self._solo)
 
     def _batchable(self, req: GenerateRequest, params: DecodeParams) -> bool:
         """Whether the batched rounds apply everything the call asks for, and its row fits a slot."""
@@ -514,13 +514,15 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         need = len(req.prompt_token_ids) + params.max_new_tokens + 1 + max(self.batch.planner.sizes)
         return need <= self.batch.target.capacity
 
+    def _drafts_on_worker(self, params: DecodeParams) -> bool:
+        """Whether the call's own rounds would draft on the draft worker (a model in its drafting)."""
+        return self._draft_worker and params.drafter not in ("ngram", "suffix")
+
     def _movable(self, params: DecodeParams) -> bool:
         """A call the draft worker drafts for that the batched rounds may take over: a greedy one.
         A seeded sampled generation draws other samples in the batched rounds than on its own (both
         exact draws from the target): it stays on its own so a seed reproduces its output."""
-        return (
-            params.drafter not in ("ngram", "suffix") and self._draft_worker and not params.sampling.do_sample
-        )
+        return self._drafts_on_worker(params) and not params.sampling.do_sample
 
     def _room(self) -> bool:
         """Whether the batched rounds would take one more waiting row now (else a call keeps its own
