@@ -451,8 +451,10 @@ def test_position_noise_ring_draws_each_position_once():
         ring.rows(20, 6)
 
 
-def test_session_batcher_keeps_room_for_any_round_and_checks_requests(llama_target):
-    """Client-loop sessions in a pool: desync and bad ids are refused without changing anything, a
+@pytest.mark.parametrize("bucketed", [False, True], ids=["eager-prompt", "graphed-prompt"])
+def test_session_batcher_keeps_room_for_any_round_and_checks_requests(llama_target, bucketed):
+    """Client-loop sessions in a pool (new sessions' prompts written eagerly, or by the graphed
+    prefill's bucketed shape as on CUDA): desync and bad ids are refused without changing anything, a
     session near its slot's end is refused before it could overflow a round, and an ended session's
     slot goes to the last one (whose next round still continues its text)."""
     from specsplit.core.tree import TokenTree
@@ -465,6 +467,7 @@ def test_session_batcher_keeps_room_for_any_round_and_checks_requests(llama_targ
     sb = SessionBatcher(
         BatchedTarget(runner, slots=2, capacity=cap), runner.vocab_size, 256, 64, gather_s=0.0
     )
+    sb.target.bucketed_prefill = bucketed
     empty = TokenTree.empty()
     a = sb.verify(VerifyRequest("a", empty, PROMPTS[0][:8], 0))
     b = sb.verify(VerifyRequest("b", empty, PROMPTS[2][:8], 0))
@@ -542,10 +545,12 @@ def test_chain_drafts_are_each_rows_greedy_continuation(llama_target):
     assert pool.chain([ChainRow(len(prompts[0]) + 3, truth[0][3:5])], 1) == [truth[0][5:6]]
 
 
-def test_draft_batcher_drafts_each_sessions_greedy_chain_and_checks_requests(llama_target):
-    """Chain-draft sessions in a pool: a new session's long prompt, then rounds that bring ragged new
-    tokens, each drafting the model's greedy continuation; desync, bad ids, other tree shapes and
-    empty requests refused without changing anything; an ended session's slot goes to the last one."""
+@pytest.mark.parametrize("bucketed", [False, True], ids=["eager-prompt", "graphed-prompt"])
+def test_draft_batcher_drafts_each_sessions_greedy_chain_and_checks_requests(llama_target, bucketed):
+    """Chain-draft sessions in a pool: a new session's long prompt (written by the eager forward, or
+    by the graphed prefill's bucketed shape as on CUDA), then rounds that bring ragged new tokens,
+    each drafting the model's greedy continuation; desync, bad ids, other tree shapes and empty
+    requests refused without changing anything; an ended session's slot goes to the last one."""
     from specsplit.config import TreeConfig
     from specsplit.engines.batched_sessions import MAX_CHAIN, MAX_INGEST, DraftBatcher
     from specsplit.errors import CacheDesyncError, InvalidRequest
@@ -554,6 +559,7 @@ def test_draft_batcher_drafts_each_sessions_greedy_chain_and_checks_requests(lla
     runner = ModelRunner(llama_target, None, "cpu", None, "float32")
     db = DraftBatcher(BatchedTarget(runner, slots=2, capacity=64 + MAX_INGEST + MAX_CHAIN), runner.vocab_size,
                       gather_s=0.0)  # fmt: skip
+    db.target.bucketed_prefill = bucketed
     chain4 = TreeConfig(shape="chain", num_draft_tokens=4)
     long_prompt = (PROMPTS[5] * 2)[:20]  # more than MAX_INGEST tokens: written before the shared call
     a = db.draft(DraftRequest("a", long_prompt, 0, chain4))

@@ -279,16 +279,19 @@ class BatchedTarget:
         return [g for g in reversed(groups) if max(lengths[g[0] : g[1]]) > 0]
 
     @torch.inference_mode()
-    def capture_prefills(self) -> int:
+    def capture_prefills(self, max_rows: int | None = None) -> int:
         """Capture every graphed prefill shape this pool can use (rows and width buckets within
-        :data:`PREFILL_TOKENS`) now, while no row is live: which shapes a server meets depends on
-        how its clients' calls happen to arrive together, and a shape met first while serving
-        stops every row's rounds for its capture. Returns the graphs captured (0 without graphs)."""
+        :data:`PREFILL_TOKENS`; groups of at most ``max_rows`` rows) now, while no row is live:
+        which shapes a server meets depends on how its clients' calls happen to arrive together,
+        and a shape met first while serving stops every row's rounds for its capture. Pools that
+        write one new session's prompt at a time (:meth:`extend`) need ``max_rows=1``. Returns
+        the graphs captured (0 without graphs)."""
         if not self.bucketed_prefill or not self.use_graphs:
             return 0
         before = self.captures
         for rows, width in self.prefill_shapes():
-            self._prefill_graphed(0, [], rows, width)
+            if max_rows is None or rows <= max_rows:
+                self._prefill_graphed(0, [], rows, width)
         return self.captures - before
 
     @torch.inference_mode()
@@ -378,7 +381,11 @@ class BatchedTarget:
     @torch.inference_mode()
     def extend(self, slot: int, start: int, tokens: list[int]) -> None:
         """Write the KV of ``tokens`` at positions ``start ..`` of ``slot`` (its first ``start``
-        positions are context): a session's committed tokens beyond what its slot holds."""
+        positions are context): a session's committed tokens beyond what its slot holds. A new
+        session's prompt (``start`` 0) takes the graphed prefill on CUDA, as a joining row's does."""
+        if start == 0 and self.bucketed_prefill:
+            self.prefill(slot, [tokens])
+            return
         self._prefill_group(slot, [tokens], len(tokens), start)
 
     def _prefill_group(self, first: int, prompts: list[list[int]], width: int, start: int = 0) -> None:

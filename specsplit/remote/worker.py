@@ -249,6 +249,7 @@ def serve_draft(
     if max_batch >= 2:
         graphs = _graphs(engine)
         pool = _pool(engine, max_batch, batch_capacity, graphs)
+        _capture_session_prompts(pool)
         sessions = DraftBatcher(pool, engine.runner.vocab_size, engine.config.session_ttl_s)
     servicer = DraftServicer(engine, limits, max_streams(adm.limits.max_calls), adm, tree_slots, sessions)
     _limit_engine(engine, servicer._h, limits, tokens)
@@ -385,11 +386,20 @@ def _pool(engine: Any, max_batch: int, capacity: int, graphs: bool) -> BatchedTa
     return BatchedTarget(engine.runner, slots, capacity, use_graphs=graphs, compile=engine.config.compile)
 
 
+def _capture_session_prompts(pool: BatchedTarget) -> None:
+    """Capture the one-row prompt forwards a session pool writes new sessions' prompts with: one
+    first met while serving would stop every session's rounds for its capture."""
+    t0 = time.perf_counter()
+    if captured := pool.capture_prefills(max_rows=1):
+        logger.info("captured %d prompt-forward graphs in %.1f s", captured, time.perf_counter() - t0)
+
+
 def _session_batcher(engine: Any, max_batch: int, capacity: int, graphs: bool) -> SessionBatcher | None:
     """The pool where concurrent client-loop sessions' verifications share forwards (``max_batch`` >= 2)."""
     if max_batch < 2:
         return None
     pool = _pool(engine, max_batch, capacity, graphs)
+    _capture_session_prompts(pool)
     cfg = engine.config
     return SessionBatcher(
         pool, engine.model_vocab_size, cfg.max_tree_nodes, cfg.max_tree_depth, cfg.session_ttl_s
