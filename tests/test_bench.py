@@ -906,3 +906,24 @@ def test_client_processes_generate_what_client_threads_generate(tmp_path: Path) 
     assert [c.tokens for c in by_processes] == [c.tokens for c in by_threads] == [c.tokens for c in again]
     assert all(c.tokens > 0 and 0 < c.first_s <= c.seconds <= wall for c in by_processes) and wall < 120
     assert not any(p.is_alive() for p in procs.procs)
+
+
+def test_client_and_batch_benches_load_the_draft_named_by_draft(monkeypatch) -> None:
+    """``--draft`` reaches the concurrent-client bench's model loading (a non-default ``--target``
+    needs it: the draft worker's decoders load both models)."""
+    from specsplit.bench import batch
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load(tiny, device, draft_device, target_name, draft_name, dtype_name="auto", with_draft=True):
+        seen.update(target=target_name, draft=draft_name, with_draft=with_draft)
+        raise Loaded
+
+    monkeypatch.setattr(batch, "load_models", fake_load)
+    with pytest.raises(Loaded):
+        main(["bench", "--concurrent-clients", "2", "--target", "/models/t", "--draft", "/models/d",
+              "--decoders", "grpc-model-targetloop", "--device", "cpu"])  # fmt: skip
+    assert seen == {"target": "/models/t", "draft": "/models/d", "with_draft": True}

@@ -296,3 +296,24 @@ def test_compute_slots_default_by_device() -> None:
     assert AdmissionLimits(compute_slots=3).resolved(0, "cpu").compute_slots == 3
     with pytest.raises(ValueError):
         AdmissionLimits(compute_slots=0)
+
+
+def test_a_graph_captured_once_the_worker_serves_is_a_warning(caplog, monkeypatch) -> None:
+    """A capture holds the capture lock and stalls the process's other GPU work: at start-up it is
+    logged at INFO with its time; once a worker serves calls, as a WARNING naming what was captured
+    (the sign that a shape was not captured at start)."""
+    import threading
+
+    from specsplit.core import pinned
+
+    monkeypatch.setattr(pinned, "_SERVING", threading.Event())
+    with caplog.at_level(logging.INFO, logger="specsplit.core.pinned"):
+        with pinned.capture_section("prefill (1 rows x 16 tokens)"):
+            pass
+        with serve_draft(Engine("draft")):
+            with pinned.capture_section("round (4 rows x 8 nodes)"):
+                assert pinned.CAPTURE_LOCK._is_owned()  # type: ignore[attr-defined]
+    got = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "specsplit.core.pinned"]
+    assert [lvl for lvl, _ in got] == [logging.INFO, logging.WARNING]
+    assert "prefill (1 rows x 16 tokens)" in got[0][1] and "while serving" not in got[0][1]
+    assert "while serving (round (4 rows x 8 nodes))" in got[1][1]

@@ -57,6 +57,7 @@ class BatchBenchOptions:
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     device: str = "cpu"
     target: str | None = None
+    draft: str | None = None  # the draft model of the decoders that load one (default: the target's pair)
     dtype: str = "auto"
     tiny: bool = False
     max_new_tokens: int = 128
@@ -161,7 +162,7 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     draft = any(d in opts.decoders for d in DRAFT_WORKER_DECODERS)
-    m = load_models(opts.tiny, opts.device, None, opts.target, None, opts.dtype, with_draft=draft)
+    m = load_models(opts.tiny, opts.device, None, opts.target, opts.draft, opts.dtype, with_draft=draft)
     if pack_copies(opts.pack_weights, opts.compile, ()) and m.use_packed_weights():
         logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
     if opts.tiny:

@@ -379,6 +379,7 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
             client_processes=args.client_processes,
             device=device,
             target=args.target,
+            draft=args.draft,
             dtype=args.dtype or "auto",
             tiny=suite.tiny,
             max_new_tokens=args.max_new_tokens or suite.max_new_tokens,

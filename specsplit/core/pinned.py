@@ -17,11 +17,39 @@ only).
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 CAPTURE_LOCK = threading.RLock()
+_SERVING = threading.Event()
+
+
+def mark_serving() -> None:
+    """This process now serves calls (a worker that has started): from here on a graph capture is
+    logged as a warning, since while it runs every other thread's GPU work in the process waits
+    (this lock, the device synchronisation a capture starts with, the host time it takes)."""
+    _SERVING.set()
+
+
+@contextmanager
+def capture_section(what: str) -> Iterator[None]:
+    """Hold :data:`CAPTURE_LOCK` for one capture of ``what``, logging how long it held it."""
+    t0 = time.perf_counter()
+    with CAPTURE_LOCK:
+        yield
+    ms = 1e3 * (time.perf_counter() - t0)
+    if _SERVING.is_set():
+        logger.warning("captured a CUDA graph while serving (%s): %.0f ms, other work in this "
+                       "process waited meanwhile", what, ms)  # fmt: skip
+    else:
+        logger.info("captured a CUDA graph (%s) in %.0f ms", what, ms)
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:

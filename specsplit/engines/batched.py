@@ -24,7 +24,6 @@ seed), so a row commits exactly the tokens its single-row generation with the sa
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,15 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsplit.core.pinned import CAPTURE_LOCK, empty_pinned
+from specsplit.core.pinned import capture_section, empty_pinned
 from specsplit.core.sampling import SamplingParams, logits_to_probs, position_noise
 from specsplit.errors import ResourceExhausted
 from specsplit.runtime.attention import FOLD_KWARG
 from specsplit.runtime.batched_kv import BatchedKVCache
 from specsplit.runtime.graphs import kv_bucket, raise_recompile_limit, replay
 from specsplit.runtime.runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_TOKENS = 8192  # most prompt tokens one batched prefill forward takes (rows are grouped)
@@ -617,7 +614,7 @@ class BatchedTarget:
         """Capture ``body`` (device ops reading ``stage``) as one graph; ``(graph, its output)``.
         Warm-up runs write only positions past each row's committed length: a staged round never
         moves committed KV."""
-        with CAPTURE_LOCK, torch.cuda.device(self.device):
+        with capture_section(f"batched {what}"), torch.cuda.device(self.device):
             # The snapshot is taken on the current stream BEFORE the side stream's wait is
             # recorded: the warm-up must not read it before the clone has run (it would stage
             # whatever the fresh block held, and index with it).
@@ -634,7 +631,6 @@ class BatchedTarget:
             with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 out = body()
             self.captures += 1
-            logger.info("captured a batched %s graph", what)
             return graph, out
 
     # ------------------------------------------------------------------ chain drafts
@@ -667,7 +663,9 @@ class BatchedTarget:
         ch.stage.copy_(ch.host, non_blocking=True)
         if self.use_graphs and ch.graph is None:
             ch.graph, ch.out = self._capture(
-                ch.stage, lambda: self._chain_body(ch, k), f"chain draft ({bp} rows, k={k})"
+                ch.stage,
+                lambda: self._chain_body(ch, k),
+                f"chain draft ({bp} rows x {width} new tokens, k={k}, over {ch.ingest[3].shape[-1]} key slots)",
             )
         if ch.graph is not None:
             out = replay(ch.graph, self.device, self.runner, ch.out)

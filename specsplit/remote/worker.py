@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from specsplit.config import BATCH_LIMIT, NgramConfig
+from specsplit.core.pinned import mark_serving
 from specsplit.engines.batched import BatchedTarget, batch_bucket
 from specsplit.engines.batched_sessions import DraftBatcher, SessionBatcher
 from specsplit.errors import ConfigError, TransportError
@@ -190,6 +191,7 @@ def _serve(
     if not bound:
         raise OSError(f"could not bind {addr}")
     server.start()
+    mark_serving()  # a graph captured from now on stalls calls: logged as a warning
     lim = admission.limits
     logger.info(
         "%s worker serving on %s:%d (%s%s; %d calls + %d queued, %d compute slots)",

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from specsplit.core.pinned import CAPTURE_LOCK, empty_pinned
+from specsplit.core.pinned import capture_section, empty_pinned
 from specsplit.core.tree_attention import ancestor_matrix
 from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.runtime.runner import ModelRunner, h2d
@@ -143,7 +143,8 @@ class StaticForward:
     def _capture(self, b: _Buffers) -> None:
         # Capture on the model's own device (it need not be the current one). CAPTURE_LOCK: no other
         # thread captures or pins host memory meanwhile (specsplit.core.pinned).
-        with CAPTURE_LOCK, torch.cuda.device(self.device):
+        what = f"{b.ids.shape[1]}-token forwards over {b.mask.shape[-1]} key slots"
+        with capture_section(what), torch.cuda.device(self.device):
             self._capture_here(b)
 
     def _capture_here(self, b: _Buffers) -> None:
@@ -163,9 +164,6 @@ class StaticForward:
             b.logits = self._forward(b)
         b.graph = graph
         self.captures += 1
-        logger.info(
-            "captured a CUDA graph for %d-token forwards over %d key slots", b.ids.shape[1], b.mask.shape[-1]
-        )
 
     def fill(
         self, b: _Buffers, ids: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, block: torch.Tensor
@@ -377,7 +375,8 @@ class GraphedRound:
         if not self.static.use_graphs:
             return self.fn(*self.inputs, *self.device_inputs)
         if self.graph is None:
-            with CAPTURE_LOCK, torch.cuda.device(self.static.device):  # see specsplit.core.pinned
+            what = f"a whole round, {len(self.inputs)} inputs"
+            with capture_section(what), torch.cuda.device(self.static.device):  # see specsplit.core.pinned
                 self._capture()
         assert self.graph is not None
         with torch.cuda.device(self.static.device):
@@ -398,7 +397,6 @@ class GraphedRound:
             self.outputs = self.fn(*self.inputs, *self.device_inputs)
         self.graph = graph
         self.static.captures += 1
-        logger.info("captured a CUDA graph for a whole round (%d inputs)", len(self.inputs))
 
 
 def raise_recompile_limit(n: int) -> None:
