@@ -861,6 +861,9 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
         for n in (1, 3)
     }
     assert all(c["tokens"] > 0 and c["client_tok_s_min"] > 0 for c in cells.values())
+    for c in cells.values():  # the same prompts one at a time: their time alone over this run's wall
+        alone_s = sum(r["tokens"] / (r["tok_s"] / r["vs_alone"]) for r in c["clients"])
+        assert c["x_alone"] == pytest.approx(alone_s / c["wall_s"], rel=1e-6)
     # each client against its own prompt decoded alone
     assert all(0 < c["client_vs_alone_min"] <= c["client_vs_alone_p50"] <= c["client_vs_alone_max"]
                for c in cells.values())  # fmt: skip
@@ -873,6 +876,10 @@ def test_batch_and_client_benches_write_their_reports(tmp_path: Path) -> None:
         assert max(r["first_token_ms"] for r in c["clients"]) == c["first_token_ms_max"]
     report = next(out.glob("clients-*.md")).read_text()
     assert report.count("grpc-model-clientloop") >= 2 and "- 3 clients, grpc-plain: " in report
+    three = cells[("grpc-plain", 3)]
+    row = next(line for line in report.splitlines() if line.startswith("| 3 | grpc-plain |"))
+    assert f"| {three['x_alone']:.2f} |" in row
+    assert f"| {three['client_tok_s_max'] / three['client_tok_s_min']:.2f} (" in row
 
 
 def test_client_processes_generate_what_client_threads_generate(tmp_path: Path) -> None:

@@ -286,10 +286,13 @@ def _client_cells(
                 vs_alone = sorted((c.tokens / c.seconds) / alone[r.id] for c, r in zip(per, rows, strict=True)
                                   if c.seconds > 0 and alone.get(r.id))  # fmt: skip
                 tpt = sorted(1e3 * c.seconds / max(c.tokens, 1) for c in per)
+                # the same prompts one at a time: their tokens over the time they took alone
+                alone_s = [c.tokens / alone[r.id] for c, r in zip(per, rows, strict=True) if alone.get(r.id)]
                 firsts = sorted(c.first_s for c in per if c.first_s is not None)
                 cells.append({
                     "decoder": name, "batch": n, "wall_s": wall, "walls_s": [wall], "tokens": tokens,
                     "tok_s": tokens / wall if wall > 0 else 0.0,
+                    "x_alone": sum(alone_s) / wall if wall > 0 and len(alone_s) == len(per) else None,
                     "row_ms_per_token_p50": tpt[len(tpt) // 2],
                     "row_ms_per_token_p95": tpt[min(len(tpt) - 1, int(round(0.95 * (len(tpt) - 1))))],
                     "client_tok_s_min": speeds[0] if speeds else 0.0,
@@ -690,17 +693,20 @@ def batch_markdown(result: dict[str, Any]) -> str:
 
 def _clients_markdown(result: dict[str, Any], head: list[str]) -> str:
     lines = head + [
-        "| clients | decoder | tok/s (all clients) | x 1 client | slowest client / its prompt alone (p50) | "
-        "fastest / slowest client (each / its prompt alone) | client ms/token p50 / p95 | "
-        "first tokens ms p50 / max | peak GPU memory |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| clients | decoder | tok/s (all clients) | x 1 client | x its prompts alone | "
+        "slowest client / its prompt alone (p50) | fastest / slowest client: tok/s (each / its prompt alone) | "
+        "client ms/token p50 / p95 | first tokens ms p50 / max | peak GPU memory |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         lo, mid, hi = c.get("client_vs_alone_min"), c.get("client_vs_alone_p50"), c.get("client_vs_alone_max")
         mem = c.get("peak_gpu_bytes")
+        fast, slow_ = c.get("client_tok_s_max"), c.get("client_tok_s_min")
         lines.append(
             f"| {c['batch']} | {c['decoder']} | {c['tok_s']:.1f} | {_fmt(c['x_batch1'], '.2f')} | "
-            f"{_fmt(lo, '.2f')} ({_fmt(mid, '.2f')}) | {_fmt(hi / lo if lo and hi else None, '.2f')} | "
+            f"{_fmt(c.get('x_alone'), '.2f')} | {_fmt(lo, '.2f')} ({_fmt(mid, '.2f')}) | "
+            f"{_fmt(fast / slow_ if fast and slow_ else None, '.2f')} "
+            f"({_fmt(hi / lo if lo and hi else None, '.2f')}) | "
             f"{c['row_ms_per_token_p50']:.2f} / {c['row_ms_per_token_p95']:.2f} | "
             f"{_fmt(c.get('first_token_ms_p50'), '.1f')} / {_fmt(c.get('first_token_ms_max'), '.1f')} | "
             f"{'-' if mem is None else format(mem / 2**30, '.1f') + ' GiB'} |"
