@@ -249,7 +249,7 @@ def test_target_loop_falls_back_when_slots_are_refused_or_lost(monkeypatch):
     fresh = _FakeDraft(answer_in_slot=False)  # grants slots, then answers with trees anyway
     loop = _loop(fresh, monkeypatch)
     res = loop.draft(DraftRequest("a", [1], 0, DYNAMIC))
-    assert res.tree.num_nodes == 1 and loop._slots is None
+    assert res.tree.num_nodes == 1 and loop._slots is not None and loop._slot_of == {}  # slot given back
     loop.draft(DraftRequest("a", [], 4, DYNAMIC))
     assert fresh.shares == 1 and fresh.requests[-1][1] == ""  # not asked again every round
 
@@ -263,6 +263,49 @@ def test_target_loop_falls_back_when_slots_are_refused_or_lost(monkeypatch):
     restarted.answer_in_slot = True
     loop.draft(DraftRequest("a", [], 5, DYNAMIC))
     assert restarted.shares == 2 and restarted.requests[-1][1] == "ch2"  # asked again at once
+
+
+def test_sessions_a_draft_worker_answers_in_replies_keep_the_slots_for_others(monkeypatch):
+    """A draft worker that answers some sessions in replies (its batched chain drafts) while it
+    fills slots for others: each such session gives its slot back after its first round and asks
+    for none again, the slots stay shared (asked for once, never dropped), and a session the worker
+    served through its slot before still has its trees read from there."""
+    draft = _FakeDraft()
+    answer_in_reply = {"chain-1", "chain-2", "chain-3"}
+    plain_draft = draft.draft
+
+    def draft_call(req: DraftRequest) -> DraftResult:
+        if req.session_id in answer_in_reply:
+            draft.requests.append(
+                (req.session_id, getattr(req, "tree_channel", ""), getattr(req, "tree_slot", 0))
+            )
+            return DraftResult(
+                TokenTree(torch.tensor([1]), torch.tensor([-1]), torch.tensor([1]), torch.zeros(1)), 4
+            )
+        return plain_draft(req)
+
+    draft.draft = draft_call  # type: ignore[method-assign]
+    loop = _loop(draft, monkeypatch)
+    assert in_slot(loop.draft(DraftRequest("tree", [1], 0, DYNAMIC))) is not None
+    for rnd in range(3):  # three chain sessions, three rounds each: two slots are enough for them all
+        for sid in sorted(answer_in_reply):
+            loop.draft(DraftRequest(sid, [1] if rnd == 0 else [], 4 * rnd, DYNAMIC))
+    asked = [r for r in draft.requests if r[0].startswith("chain") and r[1]]
+    assert sorted(r[0] for r in asked) == sorted(answer_in_reply)  # each asked once, on its first round
+    assert draft.shares == 1 and loop._slots is not None and list(loop._slot_of) == ["tree"]
+    assert in_slot(loop.draft(DraftRequest("tree", [], 4, DYNAMIC))) is not None
+    loop.end_session("chain-1")
+    assert "chain-1" not in loop._by_reply
+    # The draft worker restarts while no running session has a tree in a slot: once the slots have
+    # carried no tree for _RESHARE_S, a session answered in a reply makes the loop ask again.
+    loop.end_session("tree")
+    loop._slot_tree_at -= tl._RESHARE_S
+    loop._shared_at -= tl._RESHARE_S
+    draft.answer_in_slot = False
+    loop.draft(DraftRequest("new", [1], 0, DYNAMIC))
+    assert loop._slots is None
+    draft.answer_in_slot = True
+    assert in_slot(loop.draft(DraftRequest("new", [], 4, DYNAMIC))) is not None and draft.shares == 2
 
 
 def test_target_loop_rejects_a_slot_nobody_asked_for(monkeypatch):

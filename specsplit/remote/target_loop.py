@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 _RNG_STATE_BYTES = torch.Generator().get_state().numel()
 _SLOTS = 8  # tree slots asked for: generations one target worker runs at once with slots
 _RESHARE_S = 30.0  # after slots were refused or failed, how long trees travel in replies
+_BY_REPLY_MAX = 4096  # sessions remembered as answered in replies (a forgotten one asks once more)
 
 
 class TargetLoopTransport:
@@ -64,9 +66,13 @@ class TargetLoopTransport:
     from the draft worker's GPU memory instead of the reply (:mod:`specsplit.remote.tree_slots`):
     one slot per running generation, asked for once (``ShareTreeSlots``). Trees travel in replies
     for good when the draft worker refuses slots or their handles do not open here; for
-    ``_RESHARE_S`` when the call fails; and the slots are asked for again when the draft worker
-    answers a slot request with the tree itself (it restarted and lost the channel): at once,
-    unless the slots were granted less than ``_RESHARE_S`` ago.
+    ``_RESHARE_S`` when the call fails. A draft worker may answer a slot request with the tree
+    itself: for a session whose trees it has left in the slot before, that means it restarted and
+    lost the channel, and the slots are asked for again (at once, unless they were granted less
+    than ``_RESHARE_S`` ago); for a session it never served through the slot (its batched chain
+    drafts come back in replies), the session gives its slot back and asks for none again, and the
+    channel stays. Slots that served trees before and served none for ``_RESHARE_S`` while sessions
+    come back in replies are asked for again too (a restart no running session noticed).
 
     Args:
         engine: the worker's :class:`~specsplit.engines.target.TargetEngine`.
@@ -95,6 +101,9 @@ class TargetLoopTransport:
         self._free: list[int] = []
         self._share_after = 0.0  # monotonic time before which no ShareTreeSlots is attempted
         self._shared_at = 0.0  # when the current slots were granted
+        self._in_slot: set[str] = set()  # sessions that have had a tree in their slot
+        self._by_reply: OrderedDict[str, None] = OrderedDict()  # sessions the draft worker answers in replies
+        self._slot_tree_at: float | None = None  # when a tree last came through the current slots
         self._slots_lock = threading.Lock()
 
     @property
@@ -118,13 +127,38 @@ class TargetLoopTransport:
             res.tree = slots.read(
                 in_slot, self.engine.model_vocab_size, cfg.max_tree_nodes, cfg.max_tree_depth
             )
+            with self._slots_lock:
+                if self._slots is slots:
+                    self._in_slot.add(request.session_id)
+                    self._slot_tree_at = time.monotonic()
         elif slots is not None and channel:
-            self._drop_slots(slots, "the draft worker sent the tree in its reply (restarted?)")
+            self._answered_in_reply(slots, request.session_id)
         return res
+
+    def _answered_in_reply(self, slots: TreeSlotImporter, session_id: str) -> None:
+        """The draft worker sent the tree of a slot request in its reply (see the class docstring)."""
+        with self._slots_lock:
+            if self._slots is not slots:
+                return
+            now = time.monotonic()
+            lost = session_id in self._in_slot or (
+                self._slot_tree_at is not None and now - self._slot_tree_at >= _RESHARE_S
+            )
+            if not lost:  # this session's trees come in replies: its slot goes back
+                slot = self._slot_of.pop(session_id, None)
+                if slot is not None:
+                    self._free.append(slot)
+                self._by_reply[session_id] = None
+                if len(self._by_reply) > _BY_REPLY_MAX:  # sessions never ended here are forgotten
+                    self._by_reply.popitem(last=False)
+                return
+        self._drop_slots(slots, "the draft worker sent the tree in its reply (restarted?)")
 
     def _slot_for(self, session_id: str) -> tuple[TreeSlotImporter | None, str, int]:
         """The session's slot (taken on its first round); ``(None, "", 0)``: the tree comes in the reply."""
         with self._slots_lock:
+            if session_id in self._by_reply:
+                return None, "", 0
             if self._slots is None:
                 if time.monotonic() < self._share_after:
                     return None, "", 0
@@ -162,6 +196,7 @@ class TargetLoopTransport:
         self._shared_at = time.monotonic()
         self._free = list(range(self._slots.slots))[::-1]
         self._slot_of.clear()
+        self._forget_sessions()
         logger.info("tree slots on: %d slots of %d nodes (channel %s)", self._slots.slots,
                     self._slots.slot_nodes, self._slots.channel_id[:8])  # fmt: skip
 
@@ -171,10 +206,17 @@ class TargetLoopTransport:
                 logger.info("tree slots dropped: %s", why)
                 self._slots = None
                 self._slot_of.clear()
+                self._forget_sessions()
                 # Ask again at the next round, unless these slots were new: then at most once per
                 # _RESHARE_S, so a draft worker that keeps answering with trees costs no call a round.
                 now = time.monotonic()
                 self._share_after = now if now - self._shared_at >= _RESHARE_S else now + _RESHARE_S
+
+    def _forget_sessions(self) -> None:
+        """New slots, or none: which sessions came through the old ones no longer says anything."""
+        self._in_slot.clear()
+        self._by_reply.clear()
+        self._slot_tree_at = None
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
         request.capacity_hint = self._clamp(request.capacity_hint)
@@ -186,6 +228,8 @@ class TargetLoopTransport:
             slot = self._slot_of.pop(session_id, None)
             if slot is not None:
                 self._free.append(slot)
+            self._in_slot.discard(session_id)
+            self._by_reply.pop(session_id, None)
         self.engine.end_session(session_id)
         if self._draft is not None:
             # Waited for: the draft worker lends its one graph workspace to one session at a time, so
