@@ -41,10 +41,10 @@ def mark_serving() -> None:
 @contextmanager
 def capture_section(what: str) -> Iterator[None]:
     """Hold :data:`CAPTURE_LOCK` for one capture of ``what``, logging how long it held it."""
-    t0 = time.perf_counter()
     with CAPTURE_LOCK:
+        t0 = time.perf_counter()
         yield
-    ms = 1e3 * (time.perf_counter() - t0)
+        ms = 1e3 * (time.perf_counter() - t0)
     if _SERVING.is_set():
         logger.warning("captured a CUDA graph while serving (%s): %.0f ms, other work in this "
                        "process waited meanwhile", what, ms)  # fmt: skip
