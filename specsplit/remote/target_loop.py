@@ -145,9 +145,7 @@ class TargetLoopTransport:
                 self._slot_tree_at is not None and now - self._slot_tree_at >= _RESHARE_S
             )
             if not lost:  # this session's trees come in replies: its slot goes back
-                slot = self._slot_of.pop(session_id, None)
-                if slot is not None:
-                    self._free.append(slot)
+                self._give_back_slot(session_id)
                 self._by_reply[session_id] = None
                 if len(self._by_reply) > _BY_REPLY_MAX:  # sessions never ended here are forgotten
                     self._by_reply.popitem(last=False)
@@ -212,6 +210,12 @@ class TargetLoopTransport:
                 now = time.monotonic()
                 self._share_after = now if now - self._shared_at >= _RESHARE_S else now + _RESHARE_S
 
+    def _give_back_slot(self, session_id: str) -> None:
+        """The session's slot, if it holds one, is free for the next generation (lock held)."""
+        slot = self._slot_of.pop(session_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
     def _forget_sessions(self) -> None:
         """New slots, or none: which sessions came through the old ones no longer says anything."""
         self._in_slot.clear()
@@ -225,9 +229,7 @@ class TargetLoopTransport:
 
     def end_session(self, session_id: str) -> None:
         with self._slots_lock:
-            slot = self._slot_of.pop(session_id, None)
-            if slot is not None:
-                self._free.append(slot)
+            self._give_back_slot(session_id)
             self._in_slot.discard(session_id)
             self._by_reply.pop(session_id, None)
         self.engine.end_session(session_id)
