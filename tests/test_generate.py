@@ -247,6 +247,41 @@ def test_deferred_updates_yield_each_round_after_the_next_draft_call(llama_targe
     assert all(e.info().active_sessions == 0 for e in (transport.draft_engine, transport.target_engine))
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_leave_ends_the_rounds_before_a_verification_and_keeps_what_was_committed(llama_target, defer):
+    """``leave`` is asked once each round's draft is back, before its verification: True ends the
+    generation there, with every committed round yielded, that draft never verified, the sessions
+    ended on both sides, and ``out`` a prefix of the full run's tokens."""
+    from specsplit import DraftEngine, LocalTransport, TargetEngine
+    from specsplit.pipeline import DecodeParams, decode_rounds
+    from specsplit.telemetry import SpecStats
+
+    verifies = [0]
+
+    class Counting(LocalTransport):
+        def verify(self, request):
+            verifies[0] += 1
+            return super().verify(request)
+
+    transport = Counting(DraftEngine(llama_target), TargetEngine(llama_target))
+    prompt = PROMPTS[2]
+    params = DecodeParams(max_new_tokens=24, tree=TreeConfig(shape="chain", num_draft_tokens=3))
+    ref = [t for toks, _ in decode_rounds(transport, prompt, params, [], SpecStats()) for t in toks]
+    for after in (0, 2):
+        asked, out = [0], []
+        verifies[0] = 0
+
+        def leave(after=after, asked=asked) -> bool:  # noqa: ANN001
+            asked[0] += 1
+            return asked[0] > after
+
+        got = [toks for toks, _ in decode_rounds(transport, prompt, params, out, SpecStats(),
+                                                 defer_updates=defer, leave=leave)]  # fmt: skip
+        assert verifies[0] == after and len(got) == after and asked[0] == after + 1
+        assert out == [t for toks in got for t in toks] == ref[: len(out)]
+        assert all(e.info().active_sessions == 0 for e in (transport.draft_engine, transport.target_engine))
+
+
 def test_transport_time_excludes_the_workers_handling(llama_target):
     """``RoundStats.transport_s`` is call time NOT spent on the workers' side: over gRPC a draft
     worker's handler waits for the device while serialising the tree, after the engine returned,

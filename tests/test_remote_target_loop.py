@@ -685,11 +685,14 @@ def test_batched_worker_gathers_client_loop_verifications(engines, draft_batch) 
         assert torch.equal(outs[0][i], outs[4][i]), f"client {i}"
 
 
-def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_starts(engines) -> None:
-    """A greedy model-drafted call running its own rounds moves to the batched rounds at the end of
-    a round once another generation runs, instead of sharing the GPU with the batch for the rest
-    of its generation. Its output is exactly a non-batching worker's; a stop string that spans the
-    move (the client cancels the call) still cuts it where it would have."""
+@pytest.mark.parametrize("own", [0, 2])
+def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_starts(engines, own) -> None:
+    """A greedy model-drafted call running its own rounds moves to the batched rounds before its
+    next verification once another generation runs, instead of sharing the GPU with the batch for
+    the rest of its generation: after ``own`` rounds of its own, or before its first verification
+    (its prompt's) when the other one starts while it drafts its first round. Its output is exactly
+    a non-batching worker's; a stop string that spans the move (the client cancels the call) still
+    cuts it where it would have."""
     ids, _ = prompts(2, seed=41)
     tok = CharTokenizer()
     d_srv = serve_draft(engines[0])
@@ -707,9 +710,9 @@ def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_star
         drafts, draft_gate, draft_held = [0], threading.Event(), threading.Event()
         round_gate, round_held = threading.Event(), threading.Event()
 
-        def gated_draft(req):  # noqa: ANN001, ANN202  the lone call's third draft waits for the gate
+        def gated_draft(req):  # noqa: ANN001, ANN202  the lone call's draft after its own rounds waits
             drafts[0] += 1
-            if drafts[0] == 3:
+            if drafts[0] == own + 1:
                 draft_held.set()
                 assert draft_gate.wait(30)
             return real_generate(req)
@@ -719,6 +722,12 @@ def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_star
                 round_held.set()
                 assert round_gate.wait(30)
             return real_round(*args, **kwargs)
+
+        verifies, real_verify = [0], engines[1].verify
+
+        def counted_verify(req):  # noqa: ANN001, ANN202  verifications on the lone call's own rounds
+            verifies[0] += 1
+            return real_verify(req)
 
         def first(stop: list[str] | None = None):  # noqa: ANN202
             with loop_gen(srv.address, TREES["chain4"], tokenizer=tok) as g:
@@ -730,12 +739,12 @@ def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_star
                 return g.generate(ids[1:2], max_new_tokens=40, return_dict_in_generate=True)
 
         def race(stop: list[str] | None = None):  # noqa: ANN202
-            drafts[0] = 0
+            drafts[0] = verifies[0] = 0
             for e in (draft_gate, draft_held, round_gate, round_held):
                 e.clear()
             with ThreadPoolExecutor(2) as pool:
                 lone = pool.submit(first, stop)
-                assert draft_held.wait(30)  # two rounds sent, the third drafting
+                assert draft_held.wait(30)  # its own rounds verified, the next one drafting
                 other = pool.submit(second)
                 assert round_held.wait(30)  # the second call's row is live in the batch
                 draft_gate.set()  # the lone call's next round ends; it sees the batch and moves
@@ -745,16 +754,20 @@ def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_star
 
         draft_engine.generate = gated_draft
         target.round = gated_round
+        engines[1].verify = counted_verify
         moved, other = race()
         assert torch.equal(moved.sequences, ref[0]) and torch.equal(other.sequences, ref[1])
         # the call's own sessions ended on both workers when it moved (and its row left the pool)
         assert wait_until(lambda: sessions(srv.address, d_srv.address) == (0, 0), timeout=10)
         assert wait_until(lambda: srv.batch.live_rows == 0, timeout=10)
         nodes = [x.tree_nodes for x in moved.spec_stats.rounds]
-        assert nodes[:2] == [4, 4], nodes  # its own two rounds verified the draft worker's chains ...
-        assert len(nodes) > 2 and not any(nodes[2:]), nodes  # ... then it ran as a batched row
+        assert nodes[:own] == [4] * own, nodes  # its own rounds verified the draft worker's chains ...
+        assert len(nodes) > own and not any(nodes[own:]), nodes  # ... then it ran as a batched row
+        assert verifies[0] == own  # the dropped draft was never verified
+        if not own:
+            return
         # A stop string made of tokens on both sides of the move cuts the output where it would have.
-        n_own = sum(x.committed for x in moved.spec_stats.rounds[:2])
+        n_own = sum(x.committed for x in moved.spec_stats.rounds[:own])
         at = ids.shape[1] + n_own
         stop = "".join(f"<{t}>" for t in ref[0][0, at - 1 : at + 1].tolist())
         with loop_gen(srvs[0].address, TREES["chain4"], tokenizer=tok) as gen:
@@ -764,5 +777,6 @@ def test_a_lone_model_drafted_call_moves_to_the_batched_rounds_when_another_star
         assert torch.equal(cut.sequences, want)
     finally:
         draft_engine.generate = real_generate
+        engines[1].__dict__.pop("verify", None)
         for s in (*srvs, d_srv):
             s.stop(grace=1.0)

@@ -92,6 +92,7 @@ def decode_rounds(
     session_id: str | None = None,
     defer_updates: bool = False,
     outputs: DecodeOutputs | None = None,
+    leave: Callable[[], bool] | None = None,
 ) -> Generator[tuple[list[int], RoundStats], None, None]:
     """:func:`decode`'s loop as a generator: yields each round's committed tokens and telemetry.
 
@@ -104,6 +105,12 @@ def decode_rounds(
     slots, or an in-process draft) leaves the GPU busy for milliseconds, and the consumer's work
     (a target worker handing the round to gRPC for its client) then runs in that shadow instead
     of between the verification and the next draft. The same rounds and tokens, one round later.
+
+    ``leave``: asked each time a round's draft call has returned (and the round before it was
+    yielded), before the verification. True ends the generation there: that draft is dropped, and
+    ``out`` holds everything committed so far. A target worker moves a call to its batched rounds
+    this way before its next verification, the first one included, which would otherwise share
+    the worker's GPU and host with the batch (a prompt's verification most of all).
     """
     g = _Generation(transport, prompt, params, out, stats, session_id, outputs)
     deferred: tuple[list[int], RoundStats] | None = None  # the last round, not yet yielded
@@ -117,6 +124,8 @@ def decode_rounds(
                 yield deferred
                 deferred, gap = None, time.perf_counter() - t1
                 t0, t1 = t0 + gap, t1 + gap
+            if leave is not None and leave():
+                break
             vres, t2, spec, spec_s = g.verify(tree, dres, remaining)  # 2. verify (+ speculate N+1)
             kept, stopped, hit = g.commit(vres, spec, remaining)  # 3. commit
             rs = g.record(vres, dres, kept, hit, t0, t1, t2, spec_s, remaining)  # 4. record

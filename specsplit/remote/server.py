@@ -486,7 +486,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         Rows join when batching is on and the batched rounds apply everything the call asks for.
         A greedy call the draft worker would draft for (``model``, ``hybrid``, ``auto``) runs its
         own speculative rounds only while it is the worker's only generation, and moves to the
-        batched rounds at the end of a round once another one starts (:meth:`_generate_solo`).
+        batched rounds before its next verification once another one starts (:meth:`_generate_solo`).
         From two at once, batched rounds serve more tokens a second to every client: one round
         costs about one row's step whatever the rows (RESULTS, "Batched generation"), while solo
         sessions' draft levels and verifications take turns on the GPU with the batch, each level
@@ -636,19 +636,28 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         generation on its own rounds; it runs before the call's sessions end, so whoever sees them
         gone sees the worker free for the next lone call.
 
-        A greedy call the batched rounds can take (:meth:`_movable`) moves there at the end of a
-        round once another generation runs: from then on its own draft levels and verifications
-        would take turns on the GPU with the batched rounds, slowing every row of the batch and
-        itself, while in the batch it costs the others almost nothing.
+        A greedy call the batched rounds can take (:meth:`_movable`) moves there before its next
+        verification once another generation runs, its first one included: from then on its own
+        verifications and draft levels would take turns with the batched rounds, on the GPU and in
+        this process's Python, slowing every row of the batch and itself most (its prompt's
+        verification then spans tens of batched rounds), while in the batch it costs the others
+        almost nothing.
         """
         stats = SpecStats(prompt_tokens=len(req.prompt_token_ids))
-        movable = self._batchable(req, params) and self._movable(params)
         moved = False
+
+        def leave() -> bool:
+            nonlocal moved
+            moved = self._busy(self._solo - 1) and self._room()
+            return moved
+
+        movable = self._batchable(req, params) and self._movable(params)
         # Each round goes to the client once the next round's draft is under way (defer_updates): the
         # hand-off to gRPC then overlaps the draft's GPU work instead of delaying its launch.
         rounds = decode_rounds(
-            self.loop, req.prompt_token_ids, params, out, stats, req.session_id, defer_updates=True
-        )
+            self.loop, req.prompt_token_ids, params, out, stats, req.session_id, defer_updates=True,
+            leave=leave if movable else None,
+        )  # fmt: skip
         try:
             with torch.inference_mode(), self._h.locks.hold(req.session_id):
                 try:
@@ -661,11 +670,6 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                         if item is None:
                             break
                         yield convert.generate_update_to_proto(GenerateUpdate([item]))
-                        # ``out`` holds the rounds sent so far (the next one is not verified yet)
-                        more = not stats.stopped and len(out) < params.max_new_tokens
-                        if movable and more and self._busy(self._solo - 1) and self._room():
-                            moved = True
-                            break
                 finally:
                     release()
                     rounds.close()  # ends the session on both workers, also when the client cancelled
