@@ -38,6 +38,7 @@ DRAFTERS = ("model", "ngram", "suffix", "hybrid", "auto")
 BATCH_LIMIT = 128  # most rows one batched round holds (the largest batch bucket)
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ATTENTION_KERNELS = ("auto", "math", "sdpa")  # see resolved_attention_kernel
+DRAFT_QUANTIZE = ("auto", "int8", "none")  # DraftConfig.quantize
 
 
 @dataclass
@@ -171,6 +172,12 @@ class TreeConfig:
         width: dynamic tree: frontier nodes expanded per level.
         budget: dynamic tree: maximum number of nodes.
         max_depth: dynamic tree: maximum depth.
+        min_confidence: chain / static tree: the draft stops growing after a level whose main-path
+            token it gave a probability below this (the levels so far are kept), so a round drafts
+            deep where the draft is sure and shallow where it is not (like HF's
+            ``assistant_confidence_threshold``). Each level then reads that probability on the host,
+            a device sync per level on a GPU; batched rounds grow full chains. 0 (default): every
+            level. Lossless either way: only the tree's size changes.
     """
 
     shape: TreeShape = "chain"
@@ -180,6 +187,7 @@ class TreeConfig:
     width: int = 4
     budget: int = 24
     max_depth: int = 6
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.shape not in ("chain", "static", "dynamic"):
@@ -189,6 +197,11 @@ class TreeConfig:
         for name in ("topk", "width", "budget", "max_depth"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"tree.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ConfigError(f"tree.min_confidence must be in [0, 1), got {self.min_confidence}")
+        if self.min_confidence > 0.0 and self.shape == "dynamic":
+            raise ConfigError("tree.min_confidence sizes chain and static trees; a dynamic tree already "
+                              "keeps the nodes the draft is surest of (budget, max_depth)")  # fmt: skip
         if self.shape == "static":
             try:
                 self.static_plan()
@@ -288,6 +301,12 @@ class DraftConfig:
             they are float32 on a CPU and ``compile`` is off (torch.compile cannot lower packed
             weights); ``True``: also a model object passed in (rewritten in place); ``False``:
             never. Low-order bits of results may differ from the unpacked model's.
+        quantize: the draft's linear weights as int8 with a scale per output channel
+            (:mod:`specsplit.runtime.int8`, CPU only): a draft step reads a quarter of the float32
+            bytes. Lossless (the target verifies every token); it can only cost acceptance.
+            ``"auto"`` (default): on a draft the engine loads itself on a CPU, where this machine's
+            int8 kernel beats the dense one and ``compile`` is off; ``"int8"``: always (a model
+            object passed in is rewritten in place); ``"none"``: never.
         max_sessions: live sessions kept; one more evicts the least recently used.
         session_ttl_s: idle sessions older than this are freed.
         max_tree_nodes / max_tree_depth / max_context: limits a request may not exceed.
@@ -307,6 +326,7 @@ class DraftConfig:
     compile: bool = False
     fuse_projections: bool = False
     pack_weights: bool | None = None
+    quantize: str = "auto"
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_tree_nodes: int = 256
@@ -318,6 +338,12 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         _check_engine(self, "draft")
+        if self.quantize not in DRAFT_QUANTIZE:
+            raise ConfigError(f"draft.quantize must be one of {DRAFT_QUANTIZE}, got {self.quantize!r}")
+        if self.quantize == "int8" and (self.fuse_projections or self.pack_weights):
+            what = "fuse_projections" if self.fuse_projections else "pack_weights"
+            raise ConfigError(f"draft.quantize='int8' and draft.{what} exclude each other: int8 replaces the "
+                              "linear layers both would rewrite")  # fmt: skip
         if self.vocab_subset is not None and self.vocab_subset < 1:
             raise ConfigError(f"draft.vocab_subset must be >= 1, got {self.vocab_subset}")
         if self.vocab_ranking is not None and self.vocab_subset is None:

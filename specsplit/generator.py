@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
-from specsplit.config import BATCH_LIMIT, Drafter, SpecSplitConfig
+from specsplit.config import BATCH_LIMIT, Drafter, SpecSplitConfig, TreeConfig
 from specsplit.core.sampling import SamplingParams
 from specsplit.engines.batch_plan import BATCH_TREE_SIZES, BatchPlanner
 from specsplit.engines.batched import BatchedTarget, batch_bucket
@@ -39,6 +39,16 @@ logger = logging.getLogger(__name__)
 # mode measured on CPU and GPU (benchmarks/RESULTS.md, "Drafters").
 DEFAULT_DRAFTER: Drafter = "auto"
 DRAFTER_ENV = "SPECSPLIT_DRAFTER"
+# ... and the model's tree there: a chain up to 8 deep that stops after a token the draft doubts, the
+# fastest model tree measured where the draft model pays (a CPU; RESULTS, "An int8 draft on the CPU").
+DEFAULT_TREE = TreeConfig(shape="chain", num_draft_tokens=8, min_confidence=0.5)
+TREE_ENV_PREFIX = "SPECSPLIT_TREE_"
+
+
+def default_tree_applies() -> bool:
+    """Whether no ``SPECSPLIT_TREE_*`` variable sets the tree (then the defaults above apply)."""
+    return not any(k.startswith(TREE_ENV_PREFIX) for k in os.environ)
+
 
 # GenerationConfig fields that change the output and that SpecSplit refuses (beam search and the
 # other multi-hypothesis or model-internal modes), with the values that mean "off".
@@ -236,7 +246,8 @@ class SpecSplitGenerator:
         """Load from aliases (``qwen2.5-coder-1.5b``), local directories or HF ids.
 
         Without a ``config`` (and without ``SPECSPLIT_DRAFTER``) the drafter is ``"auto"``: n-gram
-        trees where the text repeats, the draft model's tree where it pays, plain steps otherwise.
+        trees where the text repeats, the draft model's tree where it pays, plain steps otherwise;
+        and (without ``SPECSPLIT_TREE_*`` variables) the model's tree is :data:`DEFAULT_TREE`.
 
         In gRPC mode no weights are loaded; ``tokenizer`` (or ``target``) only names the tokenizer.
         """
@@ -245,6 +256,8 @@ class SpecSplitGenerator:
         cfg = copy.deepcopy(config) if config is not None else SpecSplitConfig.from_env()
         if config is None and DRAFTER_ENV not in os.environ:
             cfg.drafter = DEFAULT_DRAFTER
+        if config is None and default_tree_applies():
+            cfg.tree = copy.deepcopy(DEFAULT_TREE)
         tok_src = tokenizer if tokenizer is not None else target
         tok = load_tokenizer(tok_src) if isinstance(tok_src, str) else tok_src
         if cfg.transport == "grpc":

@@ -128,3 +128,50 @@ def test_generate_and_serve_cli_restricted_draft_vocabulary(model_dirs, llama_ta
         "--raw", "--draft-vocab-ranking", str(ranking),
     ])  # fmt: skip
     assert rc == 2 and "set vocab_subset" in capsys.readouterr().err
+
+
+def test_the_default_tree_is_a_confident_chain_unless_configured(model_dirs, monkeypatch, capsys):
+    """``from_pretrained()`` and ``specsplit generate`` draft with ``DEFAULT_TREE`` (a chain up to 8 deep
+    that stops where the draft doubts) unless a config, a SPECSPLIT_TREE_* variable or a flag says
+    otherwise; ``SpecSplitConfig()`` keeps ``TreeConfig()``."""
+    from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
+    from specsplit.generator import DEFAULT_TREE
+
+    target, draft = str(model_dirs / "target"), str(model_dirs / "draft")
+    with SpecSplitGenerator.from_pretrained(target, draft) as gen:
+        assert gen.config.tree == DEFAULT_TREE and gen.config.drafter == "auto"
+    with SpecSplitGenerator.from_pretrained(target, draft, config=SpecSplitConfig()) as gen:
+        assert gen.config.tree == TreeConfig()
+    monkeypatch.setenv("SPECSPLIT_TREE_NUM_DRAFT_TOKENS", "3")
+    with SpecSplitGenerator.from_pretrained(target, draft) as gen:
+        assert gen.config.tree == TreeConfig(num_draft_tokens=3)
+    monkeypatch.delenv("SPECSPLIT_TREE_NUM_DRAFT_TOKENS")
+
+    seen = []
+    real = SpecSplitGenerator.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, *a, **kw):
+        seen.append(kw["config"].tree)
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(SpecSplitGenerator, "from_pretrained", classmethod(spy))
+    base = [
+        "generate",
+        "a b",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--raw",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+    ]
+    for flags in ([], ["--tree", "dynamic"], ["--num-draft-tokens", "3"], ["--min-confidence", "0"]):
+        assert main(base + flags) == 0
+    capsys.readouterr()
+    assert seen[0] == DEFAULT_TREE
+    assert seen[1].shape == "dynamic" and seen[1].min_confidence == 0.0
+    assert seen[2] == TreeConfig(num_draft_tokens=3, min_confidence=0.5)
+    assert seen[3] == TreeConfig(num_draft_tokens=8, min_confidence=0.0)

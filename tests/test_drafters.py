@@ -176,6 +176,44 @@ def test_auto_probes_the_model_ever_less_often_while_it_loses():
     assert arms[-1] == "ngram" and len(probes) < 15
 
 
+def test_auto_looks_at_the_model_again_at_every_generation():
+    """A model that lost on one text (probes spaced ever wider) is probed once at the next
+    generation, and a good round there moves the shared estimate until the model wins again."""
+    cm = CostModel("auto", model_nodes=4, costs=FixedCosts(fixed=0.0, verify=lambda n: 0.25 + 0.01 * n, model=0.05),
+                   probe_every=64)  # fmt: skip
+    for _ in range(10):  # a chat-like text: the model's rounds commit one token
+        plan = cm.plan([], model_available=True)
+        cm.observe(plan, 4 if plan.model else 0, 0.29, 0.3, 0.05 if plan.model else 0.0, 1)
+    assert not cm.plan([], model_available=True).model  # it lost: plain steps, next probe far away
+    cm.new_generation(5)
+    probe = cm.plan([], model_available=True)
+    assert probe.model and probe.probe
+    cm.observe(probe, 4, 0.29, 0.35, 0.05, 5)  # new code: the whole chain is accepted
+    for _ in range(3):
+        plan = cm.plan([], model_available=True)
+        assert plan.model and not plan.probe
+        cm.observe(plan, 4, 0.29, 0.35, 0.05, 5)
+    # A draft round that costs several target steps (a GPU): even a whole tree would not pay clearly.
+    verify = lambda n: 2e-3 * (1 + 0.02 * n)  # noqa: E731
+    dear = CostModel("auto", model_nodes=24, costs=FixedCosts(fixed=0.0, verify=verify, model=7e-3))
+    for _ in range(3):
+        dear.observe(dear.plan([], model_available=True), 24, 3e-3, 1e-2, 7e-3, 2)
+    dear.new_generation(7)  # 7 tokens in 10 ms: less than 1.5 x a plain step's 1 token in 2 ms
+    assert not dear.plan([], model_available=True).model
+
+
+def test_a_model_round_that_ran_the_drafts_prompt_forward_prices_no_model_round():
+    """The first model round of a generation that opened with n-gram or plain rounds also runs the
+    draft's prompt forward: its tokens count, its seconds do not become the model's cost."""
+    cm = CostModel("auto", model_nodes=4)
+    probe = RoundPlan(True, 0, probe=True)
+    cm.observe(probe, 4, 0.3, 2.5, 2.0, 4, draft_cold=True)  # 2 s of draft: the prompt's forward
+    assert cm.model_s is None and cm.model_tau == 4.0
+    for _ in range(2):
+        cm.observe(probe, 4, 0.3, 0.55, 0.2, 4)
+    assert cm.model_s == pytest.approx(0.2)
+
+
 def test_hybrid_always_drafts_with_the_model_and_model_mode_never_plans_ngram():
     hybrid = CostModel("hybrid", model_nodes=8, costs=FLAT)
     assert hybrid.plan([0.9, 0.8], model_available=True).model

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # one torch thread, as the w
 
 TREES = {
     "chain4": TreeConfig(shape="chain", num_draft_tokens=4),
+    "chain8-stop": TreeConfig(shape="chain", num_draft_tokens=8, min_confidence=0.5),
     "static16": TreeConfig(shape="static"),
     "dynamic16": TreeConfig(shape="dynamic", budget=16, max_depth=4, topk=4, width=4),
 }

@@ -163,7 +163,8 @@ def run_batch_bench(opts: BatchBenchOptions) -> dict[str, Any]:
         torch.set_num_threads(opts.threads)
     draft = any(d in opts.decoders for d in DRAFT_WORKER_DECODERS)
     m = load_models(opts.tiny, opts.device, None, opts.target, opts.draft, opts.dtype, with_draft=draft)
-    if pack_copies(opts.pack_weights, opts.compile, ()) and m.use_packed_weights():
+    # the draft stays float32 here: these rows measure batching, not the draft's weights
+    if m.use_cpu_weights(pack_copies(opts.pack_weights, opts.compile, ()), int8_draft=False):
         logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
     if opts.tiny:
         prompts = smoke_prompts()
@@ -364,7 +365,11 @@ class _ClientWorkers:
 
             try:
                 target = start("target", m.target_name, [])
-                draft = start("draft", m.draft_name, []) if m.draft is not None else None
+                draft = (
+                    start("draft", m.draft_name, ["--draft-quantize", "none"])
+                    if m.draft is not None
+                    else None
+                )
                 loop = (
                     start("target", m.target_name, ["--draft-address", draft])
                     if draft and want_loop

@@ -78,6 +78,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "packed for the CPU's matmul (specsplit.runtime.packed), as the engines pack models they load; "
         "the HF decoders keep the originals. Default: on for float32 models on a CPU",
     )
+    p.add_argument(
+        "--draft-quantize",
+        choices=("auto", "int8", "none"),
+        default="auto",
+        help="the SpecSplit decoders' draft model runs an int8 copy (specsplit.runtime.int8, CPU only), "
+        "local or a gRPC worker; the HF decoders keep the original. Default auto: as the engines decide "
+        "for a draft they load (on a CPU where the int8 kernel pays, not compiled). Batch runs keep "
+        "the float32 draft",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the suite's token count")
     p.add_argument("--repeats", type=int, default=None, help="override the suite's timed repeats")
     p.add_argument(
@@ -107,6 +116,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--num-draft-tokens", type=int, default=4, help="K for hf-assisted and the SpecSplit chain"
+    )
+    p.add_argument(
+        "--chain-confidence",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="the SpecSplit chain stops after a token the draft gave a probability below P "
+        "(TreeConfig.min_confidence); default 0: all K tokens",
     )
     p.add_argument(
         "--dynamic-tree",
@@ -237,6 +254,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         if val not in (None, ""):
             parts += [f"--{opt.replace('_', '-')}", str(val)]
     parts += ["--dtype", args.dtype or "auto", "--num-draft-tokens", str(args.num_draft_tokens)]
+    if args.chain_confidence:
+        parts += ["--chain-confidence", str(args.chain_confidence)]
     if args.dynamic_tree:
         parts += ["--dynamic-tree", args.dynamic_tree]
     if args.frspec_vocab != FRSPEC_VOCAB:
@@ -252,6 +271,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts.append("--fuse-projections")
     if args.pack_weights is not None:
         parts.append("--pack-weights" if args.pack_weights else "--no-pack-weights")
+    if args.draft_quantize != "auto":
+        parts += ["--draft-quantize", args.draft_quantize]
     parts += _tuning_flags(args)
     if args.tie_analysis is not None:
         parts.append("--tie-analysis" if args.tie_analysis else "--no-tie-analysis")
@@ -282,6 +303,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         prompts_per_category=args.prompts_per_category,
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()),
         num_draft_tokens=args.num_draft_tokens,
+        chain_confidence=args.chain_confidence,
         threads=args.threads,
         cuda_graphs=args.cuda_graphs,
         compile=args.compile,
@@ -298,6 +320,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         overlap_draft_device=args.overlap_draft_device,
         fuse_projections=args.fuse_projections,
         pack_weights=args.pack_weights,
+        draft_quantize=args.draft_quantize,
         frspec_vocab=args.frspec_vocab,
     )
 

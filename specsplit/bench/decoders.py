@@ -44,6 +44,7 @@ __all__ = [
 
 FUSED_WORDS = ", fused q/k/v and gate/up projections"  # label words of the decoders that run fused copies
 PACKED_WORDS = ", packed CPU weights"  # ... and of those that run packed copies
+INT8_WORDS = ", int8 draft"  # ... and of those whose draft model runs an int8 copy
 PROMPT_LOOKUP_TOKENS = 10
 FRSPEC_VOCAB = 32768  # tokens the -frspec decoders' draft scores (FR-Spec's size for a 128k vocabulary)
 
@@ -191,7 +192,8 @@ def _specsplit_decoder(
 def _tree_words(tree: Any) -> str:
     """A tree shape in words, for decoder labels."""
     if tree.shape == "chain":
-        return f"chain of K={tree.num_draft_tokens}"
+        stop = f", stops below q {tree.min_confidence:g}" if tree.min_confidence > 0 else ""
+        return f"chain of K={tree.num_draft_tokens}{stop}"
     if tree.shape == "static":
         return f"static tree ({tree.max_nodes} nodes, depth {tree.depth_limit})"
     return f"dynamic tree (top-{tree.topk}, width {tree.width}, budget {tree.budget}, depth {tree.max_depth})"
@@ -206,6 +208,7 @@ class BuildOptions:
 
     Attributes:
         k: draft tokens a round of ``hf-assisted`` and of the chain tree.
+        chain_confidence: the chain tree's ``TreeConfig.min_confidence``.
         cuda_graphs: engines replay their fixed-shape steps from CUDA graphs (eager on CPU).
         compile: engines fuse those steps with ``torch.compile`` first.
         tuning: every engine's A/B switches (``--graph-rounds``, ``--prefill-graphs``, ...), draft and
@@ -220,6 +223,7 @@ class BuildOptions:
     """
 
     k: int = 4
+    chain_confidence: float = 0.0
     cuda_graphs: bool = False
     compile: bool = False
     tuning: EngineTuning = field(default_factory=EngineTuning)
@@ -249,7 +253,7 @@ def _trees(opts: BuildOptions) -> dict[str, TreeConfig]:
     """The run's trees by :attr:`DecoderSpec.tree` key (fresh objects: each decoder owns its config)."""
     dyn = opts.dynamic_tree
     return {
-        "chain": TreeConfig(shape="chain", num_draft_tokens=opts.k),
+        "chain": TreeConfig(shape="chain", num_draft_tokens=opts.k, min_confidence=opts.chain_confidence),
         "static": TreeConfig(shape="static"),
         "dynamic": TreeConfig(shape="dynamic")
         if dyn is None
@@ -295,6 +299,7 @@ def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | 
         text += ", " + ", ".join(flags)
     text += FUSED_WORDS if m.fused else ""
     text += PACKED_WORDS if m.packed else ""
+    text += INT8_WORDS if m.int8_draft and spec.uses_draft_model else ""
     if plan.graphs and spec.prefill_graphs is None and not opts.tuning.prefill_graphs:
         text += ", eager prompt forwards"
     if spec.grpc:
@@ -311,7 +316,7 @@ def _worker_processes(m: BenchModels, plan: _Plan) -> bool:
     return plan.processes and m.tokenizer is not None and not m.draft_name.startswith("self:")
 
 
-def _worker_args(m: BenchModels, plan: _Plan, tuning: EngineTuning) -> list[str]:
+def _worker_args(m: BenchModels, plan: _Plan, tuning: EngineTuning, draft: bool = False) -> list[str]:
     """``specsplit serve`` options that give a worker's engine the settings of a local one."""
     args = (["--cuda-graphs"] if plan.graphs else []) + (["--compile"] if plan.compile else [])
     if plan.graphs:
@@ -322,7 +327,9 @@ def _worker_args(m: BenchModels, plan: _Plan, tuning: EngineTuning) -> list[str]
     for name in ("attention_kernel", "graph_capacity", "q_top_k"):
         if getattr(tuning, name) != getattr(default, name):
             args += [f"--{name.replace('_', '-')}", str(getattr(tuning, name))]
-    args.append("--pack-weights" if m.packed else "--no-pack-weights")
+    if draft:
+        args += ["--draft-quantize", "int8" if m.int8_draft else "none"]
+    args.append("--pack-weights" if m.packed and not (draft and m.int8_draft) else "--no-pack-weights")
     return args + (["--fuse-projections"] if m.fused else [])
 
 
@@ -344,7 +351,7 @@ def _grpc_decoder(m: BenchModels, spec: DecoderSpec, plan: _Plan, label: str) ->
     streams = plan.pipeline.grpc_streams
     if _worker_processes(m, plan):
         workers = [WorkerProcess("draft", m.draft_name, device=plan.draft_device, dtype=m.dtype,
-                                 args=_worker_args(m, plan, plan.draft_tuning))]  # fmt: skip
+                                 args=_worker_args(m, plan, plan.draft_tuning, draft=True))]  # fmt: skip
         try:
             workers[0].start()
             peer = ["--draft-address", workers[0].address] if target_loop else []

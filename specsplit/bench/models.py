@@ -30,7 +30,8 @@ class BenchModels:
     overlap_draft: Any = None  # a copy of the draft on another device for the overlapped decoders
     overlap_draft_device: str | None = None
     fused: bool = False  # SpecSplit decoders run copies with fused projections (use_fused_projections)
-    packed: bool = False  # SpecSplit decoders run copies with packed CPU weights (use_packed_weights)
+    packed: bool = False  # SpecSplit decoders run copies with packed CPU weights (use_cpu_weights)
+    int8_draft: bool = False  # ... and an int8 copy of the draft (use_cpu_weights)
     own_target: Any = None  # the SpecSplit decoders' copies (fused or packed), None: the originals
     own_draft: Any = None
 
@@ -69,31 +70,38 @@ class BenchModels:
         self.fused = True
         return n
 
-    def use_packed_weights(self) -> int:
+    def use_cpu_weights(self, pack: bool, int8_draft: bool) -> int:
         """SpecSplit decoders get copies of the models with their linear weights packed for the CPU
-        (:mod:`specsplit.runtime.packed`), as the engines pack the models they load themselves; the
-        HF decoders keep the originals. Returns how many layers were packed (0 where packing does
-        not apply: not float32 on a CPU)."""
+        (:mod:`specsplit.runtime.packed`) and, with ``int8_draft``, the draft's as int8 instead
+        (:mod:`specsplit.runtime.int8`), as the engines do with the models they load themselves; the
+        HF decoders keep the originals. Returns how many layers were rewritten (0 where neither
+        applies: packing needs float32 on a CPU, int8 a CPU and a draft model of its own)."""
+        from specsplit.runtime.int8 import quantizable, quantize_linears
         from specsplit.runtime.packed import pack_linears, packable
 
-        if self.fused or self.packed or not packable(self.target):
+        pack = pack and packable(self.target)
+        int8_draft = int8_draft and self.draft is not None and not self.draft_name.startswith("self:")
+        int8_draft = int8_draft and quantizable(self.draft)
+        if self.fused or self.packed or self.int8_draft or not (pack or int8_draft):
             return 0
-        n = self._own_copies(pack_linears)
-        self.packed = True
+
+        n = self._own_copies(pack_linears if pack else None, quantize_linears if int8_draft else pack_linears)
+        self.packed, self.int8_draft = pack, int8_draft
         return n
 
-    def _own_copies(self, rewrite: Any) -> int:
-        """The SpecSplit decoders' copies of the models, rewritten by ``rewrite`` (a ``self:N`` draft
-        is cut from the target's copy, sharing its weights); how many modules it changed."""
+    def _own_copies(self, rewrite: Any, draft_rewrite: Any = None) -> int:
+        """The SpecSplit decoders' copies of the models, rewritten by ``rewrite`` (the draft's by
+        ``draft_rewrite`` when given; a ``self:N`` draft is cut from the target's copy, sharing its
+        weights; ``rewrite=None`` leaves the target itself, uncopied); how many modules they changed."""
         from specsplit.models.self_draft import truncated_draft
 
-        self.own_target = copy.deepcopy(self.target)
-        n: int = rewrite(self.own_target)
+        self.own_target = copy.deepcopy(self.target) if rewrite is not None else self.target
+        n: int = rewrite(self.own_target) if rewrite is not None else 0
         if self.draft is not None and self.draft_name.startswith("self:"):
             self.own_draft = truncated_draft(self.own_target, int(self.draft_name.split(":", 1)[1]))
         elif self.draft is not None:
             self.own_draft = copy.deepcopy(self.draft)
-            n += rewrite(self.own_draft)
+            n += (draft_rewrite or rewrite)(self.own_draft)
         return n
 
     def generation_config(self, max_new_tokens: int) -> Any:

@@ -112,6 +112,7 @@ class BenchOptions:
     prompts_per_category: int | None = None
     decoders: tuple[str, ...] = DEFAULT_DECODERS
     num_draft_tokens: int = 4
+    chain_confidence: float = 0.0  # the chain tree's TreeConfig.min_confidence (0: every level)
     threads: int | None = None
     cuda_graphs: bool = False  # SpecSplit engines replay their fixed-shape steps from CUDA graphs
     compile: bool = False  # SpecSplit engines fuse those steps with torch.compile
@@ -128,13 +129,15 @@ class BenchOptions:
     overlap_draft_device: str | None = None  # the overlapped decoders' draft copy goes here
     fuse_projections: bool = False  # SpecSplit decoders run fused-projection copies of the models
     pack_weights: bool | None = None  # ... packed-weight copies (None: where they are float32 on a CPU)
+    draft_quantize: str = "auto"  # ... an int8 draft copy ("auto": on a CPU where the int8 kernel pays)
     dynamic_tree: tuple[int, int, int, int] | None = None  # (topk, width, budget, depth) of dynamic trees
     frspec_vocab: int = FRSPEC_VOCAB  # tokens the -frspec decoders' draft output layer scores
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
         return BuildOptions(
-            k=self.num_draft_tokens, cuda_graphs=self.cuda_graphs, compile=self.compile,
+            k=self.num_draft_tokens, chain_confidence=self.chain_confidence, cuda_graphs=self.cuda_graphs,
+            compile=self.compile,
             tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
             dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab,
         )  # fmt: skip
@@ -309,6 +312,20 @@ def pack_copies(pack_weights: bool | None, compile: bool, decoders: Any) -> bool
     return pack_weights is not False and not compiles
 
 
+def int8_copy(opts: BenchOptions, draft: Any) -> bool:
+    """Whether the SpecSplit decoders' draft copy gets int8 weights (``--draft-quantize``): as the
+    engines decide for a draft they load themselves (``"auto"``: not compiled, and the int8 kernel
+    pays on this machine)."""
+    if opts.draft_quantize == "none" or draft is None:
+        return False
+    compiles = opts.compile or any(str(d).endswith("-compiled") for d in opts.decoders)
+    if opts.draft_quantize == "int8":
+        return True
+    from specsplit.runtime.int8 import int8_pays
+
+    return not compiles and int8_pays(draft)
+
+
 def run_bench(opts: BenchOptions) -> dict[str, Any]:
     """Run the suite and write ``<out>/<machine>-<date>[...].{json,md,png}``.
 
@@ -364,8 +381,12 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
     if opts.fuse_projections:
         logger.info("fused the projections of %d modules in the SpecSplit decoders' copies",
                     models.use_fused_projections())  # fmt: skip
-    elif pack_copies(opts.pack_weights, opts.compile, opts.decoders) and models.use_packed_weights():
-        logger.info("packed the weights of the SpecSplit decoders' copies for the CPU")
+    elif models.use_cpu_weights(
+        pack_copies(opts.pack_weights, opts.compile, opts.decoders), int8_copy(opts, models.draft)
+    ):
+        logger.info(
+            "SpecSplit decoders' copies: packed weights %s, int8 draft %s", models.packed, models.int8_draft
+        )
     devices = [models.device, models.draft_device] + (
         [models.overlap_draft_device] if models.overlap_draft_device else []
     )
@@ -416,8 +437,10 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "pipeline_tuning": asdict(opts.pipeline),
             "fuse_projections": opts.fuse_projections,
             "pack_weights": models.packed,
+            "int8_draft": models.int8_draft,
             "weight_read_bound": bound,
             "num_draft_tokens": opts.num_draft_tokens,
+            "chain_confidence": opts.chain_confidence,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "frspec_vocab": opts.frspec_vocab,
             "cuda_graphs": opts.cuda_graphs,

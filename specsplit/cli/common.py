@@ -35,8 +35,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_draft_vocab_flags(p: argparse.ArgumentParser) -> None:
-    """``--draft-vocab`` / ``--draft-vocab-ranking``: the draft's restricted output layer (FR-Spec)."""
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+    """How the draft model runs: ``--draft-quantize`` (int8 weights) and ``--draft-vocab`` /
+    ``--draft-vocab-ranking`` (its restricted output layer, FR-Spec)."""
+    p.add_argument(
+        "--draft-quantize",
+        choices=("auto", "int8", "none"),
+        default=None,
+        help="the draft's linear weights as int8, CPU only (lossless: a cheaper draft step, about the "
+        "same acceptance); default auto: on a CPU where this machine's int8 kernel is the faster one",
+    )
     p.add_argument(
         "--draft-vocab",
         type=int,
@@ -53,9 +61,11 @@ def add_draft_vocab_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def draft_vocab_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """``DraftConfig`` fields the ``--draft-vocab*`` flags set (absent where not given)."""
+def draft_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``DraftConfig`` fields the :func:`add_draft_flags` flags set (absent where not given)."""
     out: dict[str, Any] = {}
+    if getattr(args, "draft_quantize", None) is not None:
+        out["quantize"] = args.draft_quantize
     if getattr(args, "draft_vocab", None) is not None:
         out["vocab_subset"] = args.draft_vocab
     if getattr(args, "draft_vocab_ranking", None) is not None:

@@ -10,14 +10,14 @@ import sys
 from typing import Any
 
 from specsplit.cli.common import (
-    add_draft_vocab_flags,
+    add_draft_flags,
     add_drafter_flag,
     add_engine_flags,
     add_tuning_flags,
     apply_engine_overrides,
     apply_pipeline_overrides,
     check_engine_flags,
-    draft_vocab_overrides,
+    draft_overrides,
     engine_overrides,
 )
 
@@ -41,6 +41,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="chain length K")
     p.add_argument(
+        "--min-confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="chain / static tree: stop drafting after a token the draft gave a probability below P",
+    )
+    p.add_argument(
         "--do-sample",
         action="store_true",
         help="sample (default: greedy); unset options take the model's defaults",
@@ -59,7 +66,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
     p.add_argument("--target-device", default=None, help="the target's device (default: --device)")
     add_engine_flags(p)
-    add_draft_vocab_flags(p)
+    add_draft_flags(p)
     p.add_argument(
         "--overlap",
         action="store_true",
@@ -77,7 +84,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specsplit.config import SpecSplitConfig
     from specsplit.errors import ConfigError
-    from specsplit.generator import DEFAULT_DRAFTER, DRAFTER_ENV, SpecSplitGenerator
+    from specsplit.generator import (
+        DEFAULT_DRAFTER,
+        DEFAULT_TREE,
+        DRAFTER_ENV,
+        SpecSplitGenerator,
+        default_tree_applies,
+    )
     from specsplit.models import DEFAULT_DRAFT, DEFAULT_TARGET
 
     cfg = SpecSplitConfig.from_file(args.config) if args.config else SpecSplitConfig.from_env()
@@ -87,10 +100,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg.drafter = "model"
     elif not args.config and DRAFTER_ENV not in os.environ:
         cfg.drafter = DEFAULT_DRAFTER
+    if not args.config and default_tree_applies() and args.tree in (None, "chain"):
+        cfg.tree = dataclasses.replace(DEFAULT_TREE)
     if args.tree:
         cfg.tree.shape = args.tree
     if args.num_draft_tokens is not None:
         cfg.tree.num_draft_tokens = args.num_draft_tokens
+    if args.min_confidence is not None:
+        cfg.tree.min_confidence = args.min_confidence
+    cfg.tree = dataclasses.replace(cfg.tree)  # validated again with the flags applied
     check_engine_flags(args)
     overrides = engine_overrides(args)
     for attr in ("draft", "target"):
@@ -99,9 +117,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if dev:
             sec.device = dev
         apply_engine_overrides(sec, overrides)
-    vocab = draft_vocab_overrides(args)
-    if vocab:
-        cfg.draft = dataclasses.replace(cfg.draft, **vocab)  # validated again
+    given = draft_overrides(args)
+    if given:
+        cfg.draft = dataclasses.replace(cfg.draft, **given)  # validated again
     apply_pipeline_overrides(cfg, args)
     if args.overlap:
         if cfg.drafter != "model":

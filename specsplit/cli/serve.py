@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specsplit.cli.common import (
-    add_draft_vocab_flags,
+    add_draft_flags,
     add_drafter_flag,
     add_engine_flags,
     add_tuning_flags,
     check_engine_flags,
-    draft_vocab_overrides,
+    draft_overrides,
     engine_overrides,
 )
 
@@ -55,7 +55,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cuda:0 or cpu)")
     add_engine_flags(p)
-    add_draft_vocab_flags(p)
+    add_draft_flags(p)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS, needs --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument(
@@ -261,16 +261,22 @@ def check_exposure(host: str, tls: bool, token: bool, insecure: bool) -> None:
 
 
 def _load(args: argparse.Namespace, cfg: Any) -> torch.nn.Module:
-    """The worker's model, loaded here; unless told otherwise its weights get packed where it is
-    float32 on a CPU, as the engines do with the models they load themselves."""
+    """The worker's model, loaded here; unless told otherwise a draft's weights become int8 and a
+    target's get packed where that pays on a CPU, as the engines do with the models they load
+    themselves."""
     from specsplit.models import load_model
+    from specsplit.runtime.int8 import int8_pays
     from specsplit.runtime.packed import packable
     from specsplit.runtime.runner import default_device, resolve_dtype
 
     device = args.device or str(default_device())
     model = load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
+    if getattr(cfg, "quantize", "none") == "auto" and not (
+        cfg.fuse_projections or cfg.compile or cfg.pack_weights
+    ):
+        cfg.quantize = "int8" if int8_pays(model) else "none"
     if cfg.pack_weights is None and not cfg.fuse_projections and not cfg.compile:
-        cfg.pack_weights = packable(model)
+        cfg.pack_weights = packable(model) and getattr(cfg, "quantize", "none") != "int8"
     return model
 
 
@@ -335,8 +341,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter "
             "and --[no-]grpc-streams are target options"
         )
-    if args.role == "target" and draft_vocab_overrides(args):
-        raise ConfigError("--draft-vocab and --draft-vocab-ranking are draft options")
+    if args.role == "target" and draft_overrides(args):
+        raise ConfigError("--draft-quantize, --draft-vocab and --draft-vocab-ranking are draft options")
     if args.draft_timeout is not None and args.draft_timeout <= 0:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
     if args.drafter is not None:
@@ -372,7 +378,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "draft":
         from specsplit.engines.draft import DraftEngine
 
-        dcfg = DraftConfig(model=args.model, device=args.device, **common, **draft_vocab_overrides(args))
+        dcfg = DraftConfig(model=args.model, device=args.device, **common, **draft_overrides(args))
         engine = DraftEngine(_load(args, dcfg), config=dcfg)
     else:
         from specsplit.engines.target import TargetEngine

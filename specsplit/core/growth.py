@@ -8,6 +8,7 @@ tree's shape, so the same code runs eagerly or inside one captured CUDA graph.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ def grow_static_tree(
     gen: torch.Generator | None,
     level: LevelForward,
     process: ScoreProcess | None = None,
+    min_confidence: float = 0.0,
 ) -> TokenTree:
     """Fill a fixed plan: greedy top-k children, or (sampling) children drawn without replacement.
 
@@ -94,8 +96,12 @@ def grow_static_tree(
         level: ``level(d, tokens [W], allowed [W, end])`` forwards the nodes of level ``d``
             (0-based; they sit at position ``context + d``) and returns their `[W, V]` logits.
         process: applied to every level's logits (with each row's path) before ``sampling``.
+        min_confidence: stop after the first level whose first node the draft gave a probability
+            below this (its ``q``): the tree keeps the levels grown so far. Each level then reads that
+            probability on the host (a device sync on a GPU). 0 grows every level.
     """
     dev = root_logits.device
+    floor = math.log(min_confidence) if min_confidence > 0.0 else None
     n = plan.num_nodes
     tokens = torch.zeros(n, dtype=torch.long, device=dev)
     logq = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -127,6 +133,12 @@ def grow_static_tree(
             logq[start:end] = qs[local, rank].gather(1, pos[:, None]).squeeze(1).clamp_min(1e-30).log()
         tokens[start:end] = tok
         if d + 1 < len(pt.levels):
+            if floor is not None and float(logq[start]) < floor:
+                # The draft doubts this level: its children would rarely be accepted, and each
+                # further level costs a draft forward. Keep the levels grown so far.
+                return TokenTree(tokens[:end], pt.parents[:end], pt.depths[:end], logq[:end],
+                                 None if q_ids is None else q_ids[:end], None if q_probs is None else q_probs[:end],
+                                 plan.max_branch, d + 1)  # fmt: skip
             parent_logits = level(d, tok, pt.anc[start:end, :end])
             if process is not None:
                 paths = torch.cat([paths[local], tok[:, None]], dim=1)

@@ -86,6 +86,7 @@ class EngineBase(Generic[S]):
             fuse_projections=config.fuse_projections,
             # torch.compile cannot lower packed weights: compiled engines keep theirs unpacked
             pack_weights=False if config.compile and config.pack_weights is None else config.pack_weights,
+            quantize=_quantize(config),
             **_vocab_subset(config),
         )
         self._store: SessionStore[S] = SessionStore(
@@ -273,3 +274,10 @@ def _vocab_subset(config: DraftConfig | TargetConfig) -> dict[str, Any]:
         return {}
     path = getattr(config, "vocab_ranking", None)
     return {"vocab_subset": size, "vocab_ranking": load_ranking(path) if path else None}
+
+
+def _quantize(config: DraftConfig | TargetConfig) -> str:
+    """The runner's weight quantization: a draft's setting (``"auto"`` stays off under ``compile``);
+    never a target's, whose logits decide the output."""
+    mode = str(getattr(config, "quantize", "none"))
+    return "none" if mode == "auto" and config.compile else mode

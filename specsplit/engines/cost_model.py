@@ -40,6 +40,7 @@ _CAL_BINS = 10
 _CAL_PRIOR = 4.0  # pseudo-observations at the raw score, per calibration bin
 _EMA = 0.2
 _WINDOW = 5  # samples a cost estimate keeps
+GENERATION_PROBE_MARGIN = 1.5  # see CostModel.new_generation
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,27 @@ class CostModel:
                 break
         return out
 
+    def new_generation(self, best_tokens: int) -> None:
+        """A generation starts: its first measured round probes the model's tree (``auto``), where
+        that tree could pay clearly.
+
+        The model's tokens a round follow the text: a chat answer accepts a couple, new code nearly a
+        whole chain. One estimate shared across generations would carry the last text's verdict into
+        the next one for as long as the probes are spaced, so each generation gets one look at the
+        model of its own, which moves the shared estimate toward the new text. Only where a round
+        whose tree is accepted whole (``best_tokens``: its depth plus the target's token) would
+        commit at least :data:`GENERATION_PROBE_MARGIN` times a plain step's rate: with a draft
+        nearly as costly as its target (a GPU) the look would cost more than it finds.
+        """
+        with self._lock:
+            t_model = self._t_model()
+            if self.mode != "auto" or t_model is None or self.model_tau is None:
+                return  # the first probes are still to come
+            fixed = self._t_fixed()
+            full = fixed + t_model + self._t_verify(self.model_nodes)
+            if best_tokens * (fixed + self._t_verify(0)) >= GENERATION_PROBE_MARGIN * full:
+                self._probe_left = max(self._probe_left, 1)
+
     # ------------------------------------------------------------------ learning
     def observe(
         self,
@@ -337,6 +359,7 @@ class CostModel:
         committed: int,
         ngram_scores: Sequence[float] = (),
         ngram_accepted: Sequence[bool] = (),
+        draft_cold: bool = False,
     ) -> None:
         """One finished round.
 
@@ -348,11 +371,13 @@ class CostModel:
             committed: tokens the round committed (accepted + 1, before stop conditions).
             ngram_scores / ngram_accepted: the n-gram nodes' scores and whether each was accepted
                 (pure n-gram rounds calibrate the scores).
+            draft_cold: the model draft also ran the prompt's forward: its tokens count, its time
+                does not price a model round.
         """
         with self._lock:
             self.rounds += 1
             if plan.model:
-                self._observe_model(plan, nodes, draft_s, verify_s, committed, ngram_scores)
+                self._observe_model(plan, nodes, draft_s, verify_s, committed, ngram_scores, draft_cold)
             else:
                 self.verify.add(nodes, verify_s)
                 self._fixed.add(max(round_s - verify_s, 0.0))
@@ -367,13 +392,15 @@ class CostModel:
         verify_s: float,
         committed: int,
         scores: Sequence[float],
+        cold: bool = False,
     ) -> None:
         if self._probe_left > 0:
             self._probe_left -= 1
         # A model draft's cost is its call plus what its GPU work adds to the verify call (which
         # waits for it); with no plain verification of this size measured yet, the call alone.
         t_v = self.verify(nodes)
-        self._model_cost.add(draft_s + (max(verify_s - t_v, 0.0) if t_v is not None else 0.0))
+        if not cold:
+            self._model_cost.add(draft_s + (max(verify_s - t_v, 0.0) if t_v is not None else 0.0))
         if plan.ngram_size == 0:
             tau = float(committed)
             self.model_tau = tau if self.model_tau is None else self.model_tau + _EMA * (tau - self.model_tau)

@@ -335,7 +335,9 @@ class DraftEngine(EngineBase[DraftCacheState]):
             return self._level_forward(state, tokens, allowed, positions, committed, stats)
 
         q_top_k = self.config.tuning.q_top_k
-        return grow_static_tree(root_logits, plan, pt, sampling, q_top_k, gen, level, process)
+        return grow_static_tree(
+            root_logits, plan, pt, sampling, q_top_k, gen, level, process, req.tree.min_confidence
+        )
 
     def _level_forward(
         self,

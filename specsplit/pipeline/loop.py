@@ -170,12 +170,15 @@ class _Generation:
             max_ngram = drafter.settings.max_nodes
         self.capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + max_ngram + 8
         self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
+        if transport.has_draft:
+            self.cost.new_generation(params.tree.depth_limit + 1)
         self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
         self.ngram_scores: list[float] = []
         self.ngram_offset = 0  # index of the first n-gram node in the round's tree
         self.use_draft = transport.has_draft
         self.pending_len = 0  # pending tokens of the round being verified
         self.draft_prefix, self.draft_new = 0, list(prompt)  # what the draft holds / has not seen
+        self.draft_cold = False  # this round's model draft took the prompt's forward
         self.target_prefix, self.pending = 0, list(prompt)  # what the target holds / has not seen
         self.ready: DraftResult | None = None  # next round's tree, drafted speculatively (a hit)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specsplit-verify") if overlap else None
@@ -226,6 +229,7 @@ class _Generation:
         # tree, and under sampling its draws, are the same on every engine path and with or without
         # speculation.
         sampling = self.params.sampling if self.mode == "model" else SamplingParams()
+        self.draft_cold = self.draft_prefix == 0
         req = DraftRequest(self.sid, self.draft_new, self.draft_prefix, self.params.tree, sampling,
                            self.seeds[0], None, self.capacity, processing=self.params.draft_processing)  # fmt: skip
         dres: DraftResult | None = None
@@ -345,8 +349,12 @@ class _Generation:
             start = self.ngram_offset
             acc = set(vres.accepted_node_indices)
             flags = [start + i in acc for i in range(len(self.ngram_scores))]
+            # Nor is the draft's: the first model round of a generation that opened with n-gram or
+            # plain rounds pays the draft's prompt forward, which would price every model round.
+            cold = self.plan.model and self.draft_cold
             self.cost.observe(self.plan, vres.num_nodes, rs.verify_s, t3 - t0, rs.draft_s,
-                              len(vres.accepted_token_ids) + 1, self.ngram_scores, flags)  # fmt: skip
+                              len(vres.accepted_token_ids) + 1, self.ngram_scores, flags,
+                              draft_cold=cold)  # fmt: skip
         return rs
 
     def close(self) -> None:

@@ -87,6 +87,7 @@ def tree_config_to_proto(t: TreeConfig) -> pb.TreeSpec:
         width=t.width,
         budget=t.budget,
         max_depth=t.max_depth,
+        min_confidence=t.min_confidence,
     )
     if t.paths is not None:
         m.static_paths.SetInParent()  # present even when empty: "no paths" differs from "default"
@@ -132,6 +133,7 @@ def tree_config_from_proto(m: pb.TreeSpec) -> TreeConfig:
             width=d.width,
             budget=d.budget,
             max_depth=d.max_depth,
+            min_confidence=m.min_confidence,
         )
     )
 

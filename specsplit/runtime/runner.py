@@ -14,6 +14,7 @@ from specsplit.core.pinned import to_device
 from specsplit.errors import ConfigError, InvalidRequest, ModelLoadError
 from specsplit.runtime.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.runtime.attention import install as install_attention
+from specsplit.runtime.int8 import Int8Linear, int8_pays, quantizable, quantize_linears
 from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.runtime.packed import PackedLinear, pack_linears, packable
 from specsplit.runtime.vocab_subset import SubsetHead, special_ids, subset_ids
@@ -61,6 +62,9 @@ class ModelRunner:
         vocab_subset: score only this many best-ranked tokens in the output layer (a draft's
             option, :mod:`specsplit.runtime.vocab_subset`); the model itself is left as it is.
         vocab_ranking: token ids, best first, for ``vocab_subset`` (``None``: id order).
+        quantize: ``"int8"``: int8 linear weights (:mod:`specsplit.runtime.int8`; a draft's option),
+            in place; ``"auto"``: only a model this runner loads itself, on a CPU, where the int8
+            kernel is the faster one here; ``"none"``: never.
     """
 
     def __init__(
@@ -76,12 +80,14 @@ class ModelRunner:
         pack_weights: bool | None = None,
         vocab_subset: int | None = None,
         vocab_ranking: Sequence[int] | None = None,
+        quantize: str = "none",
     ):
         if pack_weights and fuse_projections:
             raise ConfigError("pack_weights and fuse_projections exclude each other: packing is for the "
                               "CPU, fused projections for the GPU")  # fmt: skip
         self.model = model
         self._pack = pack_weights
+        self._quantize = quantize
         self._fold_gqa = fold_gqa
         self._fuse = fuse_projections
         self._attention_kernel = attention_kernel
@@ -143,6 +149,14 @@ class ModelRunner:
             from specsplit.runtime.fused import fuse_projections
 
             logger.info("fused the projections of %d modules", fuse_projections(model))
+        elif self._quantize == "int8" or (
+            self._quantize == "auto" and loaded and not self._pack and int8_pays(model)
+        ):
+            if not quantizable(model):
+                raise ConfigError(
+                    "quantize='int8' needs a model on a CPU and a torch with the int8 weight kernel"
+                )
+            quantize_linears(model)
         elif self._pack or (self._pack is None and loaded and packable(model)):
             if not packable(model):
                 raise ConfigError("pack_weights needs a float32 model on a CPU and a torch with oneDNN")
@@ -154,7 +168,9 @@ class ModelRunner:
                                   "which the restricted output layer would skip")  # fmt: skip
             head = model.get_output_embeddings()
             ids = subset_ids(self.vocab_size, self._vocab_subset, self._vocab_ranking, special_ids(model))
-            self.head = SubsetHead(head, ids, pack=isinstance(head, PackedLinear))
+            self.head = SubsetHead(
+                head, ids, pack=isinstance(head, PackedLinear), int8=isinstance(head, Int8Linear)
+            )
             logger.info("the output layer scores %d of %d tokens", ids.numel(), self.vocab_size)
 
     def require(self) -> torch.nn.Module:

@@ -89,11 +89,12 @@ class SubsetHead(torch.nn.Module):
         head: the model's output layer (``nn.Linear`` or a packed one: anything with ``weight``).
         ids: the tokens scored, `[n]` int64 (see :func:`subset_ids`).
         pack: pack the subset's weight for the CPU's matmul (:mod:`specsplit.runtime.packed`).
+        int8: keep the subset's weight as int8 (:mod:`specsplit.runtime.int8`), as the head was.
     """
 
     ids: torch.Tensor
 
-    def __init__(self, head: Any, ids: torch.Tensor, pack: bool = False):
+    def __init__(self, head: Any, ids: torch.Tensor, pack: bool = False, int8: bool = False):
         super().__init__()
         weight = head.weight.detach()
         self.vocab_size = int(weight.shape[0])
@@ -106,10 +107,14 @@ class SubsetHead(torch.nn.Module):
             if bias is not None:
                 linear.bias.copy_(bias.detach().index_select(0, ids))
         linear.requires_grad_(False)
-        if pack:
+        if int8:
+            from specsplit.runtime.int8 import Int8Linear
+
+            self.linear: torch.nn.Module = Int8Linear(linear)
+        elif pack:
             from specsplit.runtime.packed import PackedLinear
 
-            self.linear: torch.nn.Module = PackedLinear(linear)
+            self.linear = PackedLinear(linear)
         else:
             self.linear = linear
         self.register_buffer("ids", ids, persistent=False)

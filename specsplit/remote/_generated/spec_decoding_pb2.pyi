@@ -53,7 +53,7 @@ class StaticPaths(_message.Message):
     def __init__(self, paths: _Optional[_Iterable[_Union[TreePath, _Mapping]]] = ...) -> None: ...
 
 class TreeSpec(_message.Message):
-    __slots__ = ("shape", "num_draft_tokens", "static_paths", "topk", "width", "budget", "max_depth")
+    __slots__ = ("shape", "num_draft_tokens", "static_paths", "topk", "width", "budget", "max_depth", "min_confidence")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATIC_PATHS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class TreeSpec(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     shape: TreeShape
     num_draft_tokens: int
     static_paths: StaticPaths
@@ -68,7 +69,8 @@ class TreeSpec(_message.Message):
     width: int
     budget: int
     max_depth: int
-    def __init__(self, shape: _Optional[_Union[TreeShape, str]] = ..., num_draft_tokens: _Optional[int] = ..., static_paths: _Optional[_Union[StaticPaths, _Mapping]] = ..., topk: _Optional[int] = ..., width: _Optional[int] = ..., budget: _Optional[int] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, shape: _Optional[_Union[TreeShape, str]] = ..., num_draft_tokens: _Optional[int] = ..., static_paths: _Optional[_Union[StaticPaths, _Mapping]] = ..., topk: _Optional[int] = ..., width: _Optional[int] = ..., budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class TokenTree(_message.Message):
     __slots__ = ("token_ids", "parents", "depths", "log_probs", "has_q", "q_width", "q_ids", "q_probs", "max_branch", "depth_bound")
