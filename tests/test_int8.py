@@ -131,14 +131,27 @@ def test_an_int8_draft_gives_exactly_the_targets_output(shape):
 
 
 @pytest.mark.slow
-def test_output_distribution_equals_target_with_an_int8_draft():
-    """Sampling: the draft's q comes from its int8 weights, and the target's distribution comes out."""
-    from test_lossless_sampling import _model
+def test_output_distribution_equals_target_with_an_int8_draft_and_a_stopping_chain():
+    """Sampling: the draft's q comes from its int8 weights, its chain stops where that q doubts its own
+    token (TreeConfig.min_confidence), and the target's distribution still comes out. (One 20,000-run
+    test for both: either breaking exactness fails it.)"""
+    from test_lossless_sampling import PROMPT as PROMPT_8
+    from test_lossless_sampling import SAMPLING, _model
+
+    from specsplit import DraftEngine, DraftRequest
 
     target, draft = _model(0, 6.0), _model(7, 20.0)
     exact = exact_joint(target)
     cfg = DraftConfig(quantize="int8", tuning=EngineTuning(q_top_k=V))
-    emp = empirical_joint(target, draft, TREES["chain"], draft_config=cfg)
+    tree = TREES["chain-stop"]
+    engine = DraftEngine(copy.deepcopy(draft), cfg)
+    sizes = {
+        engine.generate(DraftRequest("s", PROMPT_8, 0, tree, SAMPLING, seed, max_depth=2)).tree.num_nodes
+        for seed in range(64)
+    }
+    engine.shutdown()
+    assert sizes == {1, 2}  # rounds cut after the first token and rounds of full depth
+    emp = empirical_joint(target, draft, tree, draft_config=cfg)
     assert isinstance(draft.lm_head, Int8Linear)
     assert tv(emp, exact) < 0.04, f"TV={tv(emp, exact):.4f}"
     assert tv(emp.sum(1), exact.sum(1)) < 0.02

@@ -106,7 +106,7 @@ def _q_far_from_p(target, draft) -> float:
 TREES = {
     "chain": TreeConfig(shape="chain", num_draft_tokens=3),
     # a chain cut short where the draft doubts its own token (TreeConfig.min_confidence)
-    "chain-stop": TreeConfig(shape="chain", num_draft_tokens=3, min_confidence=0.5),
+    "chain-stop": TreeConfig(shape="chain", num_draft_tokens=3, min_confidence=0.3),
     # 3 roots sampled without replacement, children under the first two: a branching tree
     "tree": TreeConfig(shape="static", paths=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
     "dynamic": TreeConfig(shape="dynamic", topk=3, width=2, budget=6, max_depth=2),
@@ -114,7 +114,7 @@ TREES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["chain", "chain-stop", "tree", "dynamic"])
+@pytest.mark.parametrize("name", ["chain", "tree", "dynamic"])  # chain-stop: tests/test_int8.py
 def test_output_distribution_equals_target(pair, name):
     target, draft = pair
     assert _q_far_from_p(target, draft) > 0.3  # the draft really is a poor proposal
