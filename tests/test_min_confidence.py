@@ -10,7 +10,7 @@ from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
 from specsplit.config import DraftConfig
 from specsplit.core.growth import PlanTensors, grow_static_tree
 from specsplit.core.sampling import SamplingParams
-from specsplit.errors import ConfigError
+from specsplit.errors import ConfigError, InvalidRequest
 from specsplit.remote import convert
 
 PROMPT = [5, 17, 33, 81, 9, 100, 5, 17, 33, 81]
@@ -56,6 +56,10 @@ def test_min_confidence_is_checked_and_travels_to_a_draft_worker():
     tree = TreeConfig(shape="chain", num_draft_tokens=8, min_confidence=0.4)
     assert convert.tree_config_from_proto(convert.tree_config_to_proto(tree)) == tree
     assert convert.tree_config_from_proto(convert.tree_config_to_proto(TreeConfig())).min_confidence == 0.0
+    bad = convert.tree_config_to_proto(tree)
+    bad.min_confidence = 1.5  # a worker refuses it with a typed error
+    with pytest.raises(InvalidRequest, match="min_confidence"):
+        convert.tree_config_from_proto(bad)
 
 
 @pytest.mark.parametrize("quantize", ["none", "int8"])
