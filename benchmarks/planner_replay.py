@@ -19,6 +19,22 @@ not: a generation that stops proposing saves it.
 ``record`` runs HF ``generate()`` on a CPU (4 prompts a category, 128 tokens; ~30 s a prompt on 2
 cores) into ``results/planner_replay-answers.jsonl``. Projected ratios are a model of a GPU run,
 not a measurement: speed claims come from ``specsplit bench``.
+
+**With the draft model** (``auto`` and ``model`` drafting, for a draft that is cheap beside its
+target: the CPU's int8 draft). ``record-draft`` runs the draft over each recorded answer once,
+teacher-forced, and keeps at every position whether its greedy token is the answer's and the
+probability it gave that token (``results/planner_replay-draft.json``). A chain drafted from a
+position then holds exactly as far as those flags say, and stops where a confidence floor would
+stop it (after the mismatch the confidences of the teacher-forced context stand in for the
+draft's own). ``replay-model`` runs the loop against that target and draft on a virtual clock:
+nothing is injected, the planner measures every cost from the charged seconds as it would on a
+machine (the default profile, in one-token steps: a verification +4.5% a node, a draft forward
+0.24 of a step, the draft's prompt 0.012 of a step a token: the 2-core CPU's figures of
+``results/cpu-2core-2026-11-29-*``). ``--quick`` takes the first prompt of each category and 32
+tokens, and warms the planner up with one short call, as ``specsplit bench --suite quick`` does.
+
+    python benchmarks/planner_replay.py record-draft [--quantize int8] [--threads 2]
+    python benchmarks/planner_replay.py replay-model [--drafter auto|model|suffix|ngram] [--quick] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ from typing import Any
 import torch
 
 ANSWERS = Path(__file__).resolve().parent / "results" / "planner_replay-answers.jsonl"
+DRAFTED = Path(__file__).resolve().parent / "results" / "planner_replay-draft.json"
 
 
 def record(
@@ -193,6 +210,133 @@ def _run(answers: list[dict[str, Any]], mode: str, planner: Any, drafter: Any, c
                 b[3] += sum(1 for r in stats.rounds if r.tree_nodes)
 
 
+def record_draft(
+    draft: str, quantize: str, threads: int | None, answers: Path = ANSWERS, path: Path = DRAFTED
+) -> None:
+    """The draft's teacher-forced greedy hits and confidences along every recorded answer."""
+    from specsplit.models import load_model
+    from specsplit.runtime.int8 import quantize_linears
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(draft, dtype=torch.float32).eval()
+    if quantize == "int8":
+        quantize_linears(model)
+    rows = []
+    for a in (json.loads(line) for line in answers.open()):
+        n = len(a["new"])
+        with torch.no_grad():
+            logits = model(torch.tensor([a["prompt"] + a["new"]])).logits[0, -n - 1 : -1]
+        p, top = logits.float().softmax(-1).max(-1)
+        hits = (top == torch.tensor(a["new"])).tolist()
+        rows.append({"id": a["id"], "hit": [int(h) for h in hits], "p": [round(x, 3) for x in p.tolist()]})
+        print(f"{a['id']}: draft hits {sum(hits)}/{n}", flush=True)
+    path.write_text(json.dumps({"draft": draft, "quantize": quantize, "rows": rows}) + "\n")
+
+
+class _Clock:
+    """The loop's clock during a replay: it moves by what the stand-ins charge."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _AnswerAndDraft(_Answer):
+    """A target as :class:`_Answer` and a chain draft that holds as far as the recorded hits say."""
+
+    has_draft = True
+
+    def __init__(self, a: dict[str, Any], drafted: dict[str, Any], clock: _Clock, prof: dict[str, float],
+                 chain: int, floor: float, model: bool) -> None:  # fmt: skip
+        super().__init__(a["prompt"], a["new"], lambda n: prof["step"] * (1 + prof["node"] * n))
+        self.hits, self.p = drafted["hit"], drafted["p"]
+        self.clock, self.prof, self.chain, self.floor = clock, prof, chain, floor
+        self.has_draft = model
+
+    def verify(self, req: Any) -> Any:
+        before = self.seconds
+        res = super().verify(req)
+        self.clock.now += self.seconds - before
+        return res
+
+    def draft(self, req: Any) -> Any:
+        from specsplit.core.tree import TokenTree
+        from specsplit.messages import DraftResult
+
+        pos = req.prefix_length + len(req.new_token_ids) - len(self.prompt)
+        toks: list[int] = []
+        for j in range(pos, min(pos + self.chain, len(self.new))):
+            toks.append(self.new[j] if self.hits[j] else -1)  # a miss: a token no answer holds
+            if self.p[j] < self.floor:
+                break
+        prof, rows = self.prof, len(req.new_token_ids)
+        cost = prof["level"] * max(len(toks), 1)
+        cost += prof["draft_prompt"] * rows if req.prefix_length == 0 else prof["row"] * (rows - 1)
+        self.seconds += cost * prof["step"]
+        self.clock.now += cost * prof["step"]
+        k = len(toks)
+        tree = TokenTree(torch.tensor(toks, dtype=torch.long), torch.arange(-1, k - 1),
+                         torch.arange(1, k + 1), torch.zeros(k))  # fmt: skip
+        tree.max_branch, tree.depth_bound = min(k, 1), k
+        return DraftResult(tree, req.prefix_length + len(req.new_token_ids))
+
+
+def replay_model(mode: str, drafted_path: Path = DRAFTED, answers: Path = ANSWERS, *, quick: bool = False,
+                 repeats: int = 1, chain: int = 8, floor: float = 0.5, node: float = 0.045, level: float = 0.24,
+                 draft_prompt: float = 0.012) -> dict[str, Any]:  # fmt: skip
+    """Projected × target-only per category, the planner measuring costs on a virtual clock."""
+    from specsplit.config import TreeConfig
+    from specsplit.engines.cost_model import CostModel
+    from specsplit.engines.drafters import NgramDrafter
+    from specsplit.pipeline import loop
+    from specsplit.pipeline.params import DecodeParams
+
+    drafted = {r["id"]: r for r in json.loads(drafted_path.read_text())["rows"]}
+    rows = [json.loads(line) for line in answers.open()]
+    if quick:
+        first: dict[str, dict[str, Any]] = {}
+        for a in rows:
+            first.setdefault(a["category"], {**a, "new": a["new"][:32]})
+        rows = list(first.values())
+    prof = {"step": 1.0, "node": node, "level": level, "draft_prompt": draft_prompt, "row": 0.02}
+    tree = TreeConfig(shape="chain", num_draft_tokens=chain, min_confidence=floor)
+    drafter = NgramDrafter(suffix=mode in ("suffix", "auto"))
+    planner = CostModel(mode, tree.max_nodes, drafter.settings.max_nodes, padded=False)
+    clock, real_time = _Clock(), loop.time
+    warm = rows if not quick else [{**rows[0], "prompt": rows[0]["prompt"][-16:], "new": rows[0]["new"][:6]}]
+    by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0])
+    loop.time = clock  # type: ignore[assignment]
+    try:
+        for measured, batch in [(False, warm)] + [(True, rows)] * repeats:
+            for a in batch:
+                drafter.clear()  # as the bench: a prompt never drafts from its own earlier runs
+                target = _AnswerAndDraft(
+                    a, drafted[a["id"]], clock, prof, chain, floor, mode in ("auto", "model")
+                )
+                params = DecodeParams(max_new_tokens=len(a["new"]), drafter=mode, tree=tree, ngram=drafter,
+                                      cost=planner)  # fmt: skip
+                out, stats = loop.decode(target, a["prompt"], params)  # type: ignore[arg-type]
+                assert out == a["new"], f"{a['id']}: the loop committed something the answer does not say"
+                if measured:
+                    b = by[a["category"]]
+                    b[0] += target.seconds
+                    b[1] += len(out) * prof["step"]
+                    b[2] += len(stats.rounds)
+                    b[3] += sum(1 for r in stats.rounds if r.drafter == "model")
+    finally:
+        loop.time = real_time  # type: ignore[assignment]
+    return {
+        "overall": round(sum(b[1] for b in by.values()) / sum(b[0] for b in by.values()), 3),
+        "categories": {
+            c: {"x": round(b[1] / b[0], 3), "model_rounds": b[3], "rounds": b[2]}
+            for c, b in sorted(by.items())
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -223,11 +367,31 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument(
         "--oracle", action="store_true", help="a planner that knows what each tree would get accepted"
     )
-    for sp in (r, q):
+    d = sub.add_parser("record-draft", help="record the draft's teacher-forced hits along the answers (CPU)")
+    d.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    d.add_argument("--quantize", default="int8", choices=["int8", "none"])
+    d.add_argument("--threads", type=int, default=None)
+    m = sub.add_parser("replay-model", help="project auto / model drafting with the draft's recorded hits")
+    m.add_argument("--drafter", default="auto", choices=["auto", "model", "suffix", "ngram"])
+    m.add_argument("--quick", action="store_true", help="first prompt a category, 32 tokens, a short warm-up")
+    m.add_argument("--repeats", type=int, default=1)
+    m.add_argument("--chain", type=int, default=8, help="most tokens a chain drafts")
+    m.add_argument("--floor", type=float, default=0.5, help="the chain's confidence floor")
+    m.add_argument("--per-node", type=float, default=0.045, help="a verification's growth a node, in steps")
+    m.add_argument("--draft-level", type=float, default=0.24, help="a draft forward, in steps")
+    for sp in (d, m):
+        sp.add_argument("--drafted", type=Path, default=DRAFTED, help="the draft's recorded hits (JSON)")
+    for sp in (r, q, d, m):
         sp.add_argument("--answers", type=Path, default=ANSWERS, help="the recorded answers (JSON lines)")
     a = p.parse_args(argv)
     if a.cmd == "record":
         record(a.target, a.prompts_per_category, a.max_new_tokens, a.threads, a.answers)
+    elif a.cmd == "record-draft":
+        record_draft(a.draft, a.quantize, a.threads, a.answers, a.drafted)
+    elif a.cmd == "replay-model":
+        result = replay_model(a.drafter, a.drafted, a.answers, quick=a.quick, repeats=a.repeats, chain=a.chain,
+                              floor=a.floor, node=a.per_node, level=a.draft_level)  # fmt: skip
+        print(json.dumps(result, indent=1))
     else:
         result = replay(
             a.drafter, a.step_ms, a.per_node, a.host_ms, a.oracle, a.answers, a.propose_ms, a.propose_match_ms

@@ -214,6 +214,33 @@ def test_a_model_round_that_ran_the_drafts_prompt_forward_prices_no_model_round(
     assert cm.model_s == pytest.approx(0.2)
 
 
+def test_a_chain_that_stops_early_is_priced_at_the_nodes_it_drafts():
+    """A chain with a confidence floor drafts fewer nodes than its budget where the draft is unsure
+    (chat): such a round verifies those few, and is priced so, not as the whole chain."""
+    steep = FixedCosts(fixed=0.0, verify=lambda n: 1.0 + 0.1 * n, model=0.3)  # a CPU: a node costs
+    cm = CostModel("auto", model_nodes=8, costs=steep)
+    for _ in range(4):  # one- or two-node chains that commit two tokens a round
+        cm.observe(cm.plan([], model_available=True), 1, 1.1, 1.4, 0.3, 2)
+    assert cm.model_drafted == pytest.approx(1.0)
+    plan = cm.plan([], model_available=True)  # 2 tokens in 0.3 + 1.1 s beat a plain step's 1 in 1 s
+    assert plan.model and not plan.probe
+    assert plan.seconds == pytest.approx(0.3 + 1.1)  # priced at one node, not eight (1.8 s: a loss)
+
+
+def test_the_planner_measures_a_plain_step_before_it_prices_trees():
+    """Measured costs: with no plain step measured yet the planner runs one, so that a tree is never
+    judged against a plain step guessed from tree rounds; one size known, others grow 5% a node."""
+    cm = CostModel("ngram", padded=False)
+    strong = [0.9, 0.9, 0.8, 0.8]
+    first = cm.plan(strong, model_available=False)
+    assert first.ngram_size == 0 and first.probe
+    cm.observe(first, 0, 0.2, 0.2, 0.0, 1)
+    assert cm.verify.estimate(8) == pytest.approx(0.2 * (1 + 8 * 0.05))
+    assert cm.plan(strong, model_available=False).ngram_size > 0  # measured: the tree pays
+    cm.observe(RoundPlan(False, 32), 32, 2.0, 2.0, 0.0, 1, [0.5] * 32, [False] * 32)  # a CPU: 32 nodes, 10x
+    assert cm.plan([0.5] * 32, model_available=False).ngram_size < 32  # such nodes failed, and cost
+
+
 def test_hybrid_always_drafts_with_the_model_and_model_mode_never_plans_ngram():
     hybrid = CostModel("hybrid", model_nodes=8, costs=FLAT)
     assert hybrid.plan([0.9, 0.8], model_available=True).model

@@ -160,13 +160,13 @@ def test_output_distribution_equals_target_with_an_int8_draft_and_a_stopping_cha
 def test_loaded_drafts_are_quantized_where_it_pays_and_served_ones_too(tmp_path, monkeypatch):
     """``quantize="auto"``: a draft the engine (or ``specsplit serve draft``) loads itself becomes int8
     where the int8 kernel pays; a model passed in, a compiled engine or ``"none"`` keep theirs."""
+    import specsplit.runtime.int8 as int8_mod
     from specsplit.cli.serve import _load
-    from specsplit.runtime import runner
 
     target = tiny_llama(7)
     target.save_pretrained(tmp_path / "tiny")
     pays = {"v": True}
-    monkeypatch.setattr(runner, "int8_pays", lambda m: pays["v"])
+    monkeypatch.setattr(int8_mod, "int8_pays", lambda m: pays["v"])  # the one rule: wants_int8
     draft = tiny_llama(7)
     with SpecSplitGenerator(target, draft, config=SpecSplitConfig(drafter="model")):
         assert type(draft.model.layers[0].mlp.up_proj) is torch.nn.Linear  # passed in: left alone
@@ -187,8 +187,6 @@ def test_loaded_drafts_are_quantized_where_it_pays_and_served_ones_too(tmp_path,
     assert draft_layer(compile=True) is torch.nn.Linear
     pays["v"] = False
     assert draft_layer() is PackedLinear
-
-    import specsplit.runtime.int8 as int8_mod
 
     args = argparse.Namespace(model=str(tmp_path / "tiny"), device="cpu", dtype=None)
     for paid, given, want, packed in ((True, "auto", "int8", False), (False, "auto", "none", True),

@@ -57,3 +57,23 @@ def test_proposal_host_time_is_charged_on_every_round_that_proposes(tmp_path):
     charged = mod.replay("ngram", 3.85, 0.023, 0.5, False, path, propose_ms=0.07)["categories"]["free"]
     assert charged["tree_rounds"] == free["tree_rounds"]  # the same rounds, each proposal now costs
     assert charged["x"] < free["x"] - 0.01
+
+
+def test_replay_with_a_draft_model_drafts_free_text_and_copies_with_ngrams(tmp_path):
+    """The model arm: a chain holds as far as the draft's recorded hits say and stops below its floor;
+    the planner measures every cost on the replay's clock."""
+    answers = _answers(tmp_path, [COPY, FREE])
+    drafted = tmp_path / "drafted.json"
+    sure = {"hit": [1] * 64, "p": [0.95] * 64}  # the draft knows the free text
+    drafted.write_text(json.dumps({"rows": [{"id": "copy-01", **sure}, {"id": "free-01", **sure}]}))
+    mod = load_benchmark("planner_replay")
+    model = mod.replay_model("model", drafted, answers)
+    suffix = mod.replay_model("suffix", drafted, answers)
+    auto = mod.replay_model("auto", drafted, answers)
+    assert model["categories"]["free"]["x"] > 2.0 > suffix["categories"]["free"]["x"]
+    assert suffix["categories"]["free"]["model_rounds"] == 0
+    assert auto["categories"]["free"]["x"] > 1.5 and auto["categories"]["free"]["model_rounds"] > 0
+    unsure = {"hit": [1] * 64, "p": [0.3] * 64}  # every chain stops after one token: cheap, short rounds
+    drafted.write_text(json.dumps({"rows": [{"id": "copy-01", **unsure}, {"id": "free-01", **unsure}]}))
+    short = mod.replay_model("model", drafted, answers)["categories"]["free"]
+    assert short["rounds"] >= 30 and 1.0 < short["x"] < model["categories"]["free"]["x"]

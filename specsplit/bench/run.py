@@ -316,14 +316,12 @@ def int8_copy(opts: BenchOptions, draft: Any) -> bool:
     """Whether the SpecSplit decoders' draft copy gets int8 weights (``--draft-quantize``): as the
     engines decide for a draft they load themselves (``"auto"``: not compiled, and the int8 kernel
     pays on this machine)."""
-    if opts.draft_quantize == "none" or draft is None:
+    if draft is None:
         return False
-    compiles = opts.compile or any(str(d).endswith("-compiled") for d in opts.decoders)
-    if opts.draft_quantize == "int8":
-        return True
-    from specsplit.runtime.int8 import int8_pays
+    from specsplit.runtime.int8 import wants_int8
 
-    return not compiles and int8_pays(draft)
+    compiles = opts.compile or any(str(d).endswith("-compiled") for d in opts.decoders)
+    return wants_int8(opts.draft_quantize, draft, excluded=compiles)
 
 
 def run_bench(opts: BenchOptions) -> dict[str, Any]:

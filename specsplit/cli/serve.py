@@ -265,16 +265,15 @@ def _load(args: argparse.Namespace, cfg: Any) -> torch.nn.Module:
     target's get packed where that pays on a CPU, as the engines do with the models they load
     themselves."""
     from specsplit.models import load_model
-    from specsplit.runtime.int8 import int8_pays
+    from specsplit.runtime.int8 import wants_int8
     from specsplit.runtime.packed import packable
     from specsplit.runtime.runner import default_device, resolve_dtype
 
     device = args.device or str(default_device())
     model = load_model(args.model, dtype=resolve_dtype(args.dtype or "auto", device), device=device)
-    if getattr(cfg, "quantize", "none") == "auto" and not (
-        cfg.fuse_projections or cfg.compile or cfg.pack_weights
-    ):
-        cfg.quantize = "int8" if int8_pays(model) else "none"
+    if getattr(cfg, "quantize", "none") == "auto":
+        busy = bool(cfg.fuse_projections or cfg.compile or cfg.pack_weights)
+        cfg.quantize = "int8" if wants_int8("auto", model, excluded=busy) else "none"
     if cfg.pack_weights is None and not cfg.fuse_projections and not cfg.compile:
         cfg.pack_weights = packable(model) and getattr(cfg, "quantize", "none") != "int8"
     return model

@@ -9,10 +9,13 @@ machine and pair at hand:
   sizes not seen yet are interpolated, and beyond the largest seen, extrapolated;
 - ``t_model``: a model draft (the draft call plus the GPU work it leaves for the verification);
 - acceptance: n-gram proposal scores are calibrated against how often nodes of that score were
-  accepted; the model draft's tokens per round are an average over the rounds that used it.
+  accepted; the model draft's tokens per round are an average over the rounds that used it, and so
+  are its nodes (a chain that stops at a confidence floor verifies fewer than its budget).
 
 Costs are robust to one-off stalls: the first round of a shape captures a graph or compiles, and a
 stall must never become a cost that keeps an arm from being tried again.
+
+A plain step is measured before anything is priced from tree rounds: every arm is judged against it.
 
 Each round it evaluates the arms the drafter mode allows — no speculation, an n-gram tree of each
 size, the model's tree, the model's tree with n-gram nodes merged in — and picks the best predicted
@@ -123,11 +126,15 @@ class RoundCosts:
     Args:
         skip_first: drop each size's first sample (a target that replays graphs captures, and may
             compile, on a size's first round); an eager target's first round is a real cost.
+        growth: with one size measured, how much a verification grows a node, as a share of that
+            size's time: a forward replayed from graphs (a GPU's) hardly grows with a few more rows,
+            an eager one on a CPU, bound by reading its weights once a row, about 5% a node.
     """
 
-    def __init__(self, skip_first: bool = True) -> None:
+    def __init__(self, skip_first: bool = True, growth: float = 0.01) -> None:
         self.sizes: dict[int, _Estimate] = {}
         self._skip_first = skip_first
+        self._growth = growth
         self._table: tuple[list[int], dict[int, float]] | None = None  # what interpolation reads
 
     def add(self, n: int, seconds: float) -> None:
@@ -160,8 +167,8 @@ class RoundCosts:
         if 0 < i < len(xs):  # between two measured sizes
             a, b = xs[i - 1], xs[i]
             return mean[a] + (mean[b] - mean[a]) * (n - a) / (b - a)
-        if len(xs) == 1:  # one size known: assume a forward grows slowly with its tree
-            return mean[xs[0]] * (1.0 + 0.01 * abs(n - xs[0]))
+        if len(xs) == 1:  # one size known: assume the growth given
+            return mean[xs[0]] * (1.0 + self._growth * abs(n - xs[0]))
         a, b = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1])
         slope = max((mean[b] - mean[a]) / (b - a), 0.0)
         return max(mean[a] + slope * (n - a), 0.0)
@@ -224,10 +231,13 @@ class CostModel:
         self.padded = padded
         self.sizes = tree_sizes(max_ngram, padded) if max_ngram > 0 else ()
         self.costs = costs
-        self.verify = RoundCosts(skip_first=padded)
+        # Padded trees: a target that replays graphs (a GPU); exact sizes: an eager one (a CPU).
+        self.verify = RoundCosts(skip_first=padded, growth=0.01 if padded else 0.05)
         self._fixed = _Estimate()
         self._model_cost = _Estimate()
         self.model_tau: float | None = None  # tokens a round with the model's tree alone
+        # nodes a model tree has (a chain that stops at a confidence floor drafts fewer than its budget)
+        self.model_drafted: float | None = None
         self.merge_gain = 0.5  # share of the n-gram nodes' expected gain a merged tree keeps
         self.cal = Calibration()
         self.rounds = 0
@@ -289,6 +299,10 @@ class CostModel:
         curve = self.expected_curve(scores)
         fixed = self._t_fixed()
         arms = [RoundPlan(False, 0, 1.0, fixed + self._t_verify(0))]
+        if self.costs is None and not self.verify.trusted(0):
+            # Every arm is judged against a plain step: measure one before pricing the others from
+            # tree rounds (a forward's growth with its nodes differs between machines by 10x).
+            return RoundPlan(False, 0, 1.0, arms[0].seconds, probe=True)
         arms += [
             RoundPlan(False, size, curve[min(size, len(curve) - 1)], fixed + self._t_verify(size))
             for size in self._sizes(len(curve) - 1)
@@ -300,13 +314,14 @@ class CostModel:
         measured = t_model is not None and self.model_tau is not None
         tau = self.model_tau if self.model_tau is not None else 1.0
         base = fixed + (t_model or 0.0)
-        alone = RoundPlan(True, 0, tau, base + self._t_verify(self.model_nodes))
+        nodes = round(self.model_drafted) if self.model_drafted is not None else self.model_nodes
+        alone = RoundPlan(True, 0, tau, base + self._t_verify(nodes))
         merged = [
             RoundPlan(
                 True,
                 size,
                 tau + self.merge_gain * (curve[min(size, len(curve) - 1)] - 1.0),
-                base + self._t_verify(self.model_nodes + size),
+                base + self._t_verify(nodes + size),
             )
             for size in self._sizes(len(curve) - 1)
         ]
@@ -402,8 +417,8 @@ class CostModel:
         if not cold:
             self._model_cost.add(draft_s + (max(verify_s - t_v, 0.0) if t_v is not None else 0.0))
         if plan.ngram_size == 0:
-            tau = float(committed)
-            self.model_tau = tau if self.model_tau is None else self.model_tau + _EMA * (tau - self.model_tau)
+            self.model_tau = _ema(self.model_tau, float(committed))
+            self.model_drafted = _ema(self.model_drafted, float(nodes))
         elif self.model_tau is not None:
             gain = sum(self.cal.p(s) for s in scores if s > 0.0)
             if gain > 0:
@@ -413,6 +428,10 @@ class CostModel:
             # Look at the model's tree again later, ever later: a probe costs a round at its rate.
             self._next_probe = self.rounds + self.probe_every
             self.probe_every = min(self.probe_every * 2, self.max_probe_every)
+
+
+def _ema(old: float | None, sample: float) -> float:
+    return sample if old is None else old + _EMA * (sample - old)
 
 
 def _rate(p: RoundPlan) -> float:

@@ -160,6 +160,16 @@ def int8_pays(model: torch.nn.Module, reps: int = 5) -> bool:
     return int8_ms < dense_ms
 
 
+def wants_int8(mode: str, model: torch.nn.Module, excluded: bool = False) -> bool:
+    """Whether a draft gets int8 weights under ``quantize=mode``: always for ``"int8"``; for
+    ``"auto"`` where nothing else rewrites its weights (``excluded``: compiled, fused or packed on
+    request) and :func:`int8_pays` on this machine; never for ``"none"``. The one rule the engines,
+    ``specsplit serve draft`` and the bench's draft copy follow."""
+    if mode == "int8":
+        return True
+    return mode == "auto" and not excluded and int8_pays(model)
+
+
 def quantize_linears(model: torch.nn.Module, dense_rows: int | None = DENSE_ROWS) -> int:
     """Replace every ``nn.Linear`` of ``model`` by an :class:`Int8Linear` (in place); how many.
 

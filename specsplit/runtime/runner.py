@@ -14,7 +14,7 @@ from specsplit.core.pinned import to_device
 from specsplit.errors import ConfigError, InvalidRequest, ModelLoadError
 from specsplit.runtime.attention import AVOID_CUDNN, ENGINE_KWARG, FOLD_KWARG, gqa_group
 from specsplit.runtime.attention import install as install_attention
-from specsplit.runtime.int8 import Int8Linear, int8_pays, quantizable, quantize_linears
+from specsplit.runtime.int8 import Int8Linear, quantizable, quantize_linears, wants_int8
 from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.runtime.packed import PackedLinear, pack_linears, packable
 from specsplit.runtime.vocab_subset import SubsetHead, special_ids, subset_ids
@@ -149,9 +149,7 @@ class ModelRunner:
             from specsplit.runtime.fused import fuse_projections
 
             logger.info("fused the projections of %d modules", fuse_projections(model))
-        elif self._quantize == "int8" or (
-            self._quantize == "auto" and loaded and not self._pack and int8_pays(model)
-        ):
+        elif wants_int8(str(self._quantize), model, excluded=not loaded or bool(self._pack)):
             if not quantizable(model):
                 raise ConfigError(
                     "quantize='int8' needs a model on a CPU and a torch with the int8 weight kernel"
