@@ -115,6 +115,36 @@ def assert_same_sampling(target: Any, draft: Any, ids: torch.Tensor, configs: li
         assert outs[0].spec_stats.accepted_counts() == out.spec_stats.accepted_counts()
 
 
+def rewrite_in_place(
+    build: Any, rewrite: Any, ids: torch.Tensor
+) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+    """A tiny model from ``build(3)`` and a copy of it; ``rewrite`` (which swaps every ``nn.Linear``
+    in place and returns how many) runs on the model. Returns ``(model, copy, logits before, after)``."""
+    import copy
+
+    model = build(3)
+    ref = copy.deepcopy(model)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    with torch.inference_mode():
+        want = ref(ids).logits
+        assert rewrite(model) == linears
+        got = model(ids).logits
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    return model, ref, want, got
+
+
+def assert_rewritten_for_good(model: Any, rewrite: Any, ids: torch.Tensor, got: torch.Tensor) -> Any:
+    """A rewritten model has nothing left to rewrite, and a deep copy of it computes the same logits;
+    returns the copy."""
+    import copy
+
+    assert rewrite(model) == 0
+    twin = copy.deepcopy(model)
+    with torch.inference_mode():
+        assert torch.equal(twin(ids).logits, got)
+    return twin
+
+
 def sharpen(model: torch.nn.Module, factor: float = 8.0) -> torch.nn.Module:
     """Scale the LM head so the random model has peaked (less tie-prone) next-token distributions."""
     with torch.no_grad():

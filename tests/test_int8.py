@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_llama, tiny_qwen2
+from conftest import assert_rewritten_for_good, noisy_copy, rewrite_in_place, tiny_llama, tiny_qwen2
 from test_lossless_sampling import TREES, V, empirical_joint, exact_joint, tv
 from test_packed import PROMPT
 from test_packed import _tied_llama as tied_llama
@@ -64,15 +64,8 @@ def test_many_rows_take_the_dense_weight_and_a_small_model_keeps_none():
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2, tied_llama], ids=["llama", "qwen2", "tied"])
 def test_quantized_model_keeps_its_greedy_choices_and_shrinks(build):
-    model = build(3)
-    ref = copy.deepcopy(model)
-    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     ids = torch.tensor([PROMPT * 3])
-    with torch.inference_mode():
-        want = ref(ids).logits
-        assert quantize_linears(model) == linears
-        got = model(ids).logits
-    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    model, _, want, got = rewrite_in_place(build, quantize_linears, ids)
     head = model.get_output_embeddings()
     assert isinstance(head, Int8Linear)
     if model.config.tie_word_embeddings:  # the embedding keeps its dense weight, the head its int8 copy
@@ -81,10 +74,7 @@ def test_quantized_model_keeps_its_greedy_choices_and_shrinks(build):
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert agree >= 0.9, float(agree)
-    assert quantize_linears(model) == 0  # nothing left
-    twin = copy.deepcopy(model)
-    with torch.inference_mode():
-        assert torch.equal(twin(ids).logits, got)
+    assert_rewritten_for_good(model, quantize_linears, ids, got)
 
 
 def test_int8_is_refused_where_it_cannot_run_or_collides():

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_llama, tiny_qwen2
+from conftest import assert_rewritten_for_good, noisy_copy, rewrite_in_place, tiny_llama, tiny_qwen2
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
@@ -49,26 +49,16 @@ def test_packed_linear_computes_what_linear_does_row_by_row():
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2, _tied_llama], ids=["llama", "qwen2", "tied"])
 def test_packed_model_computes_the_same_logits(build):
-    model = build(3)
-    ref = copy.deepcopy(model)
-    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     ids = torch.tensor([PROMPT * 3])
-    with torch.inference_mode():
-        want = ref(ids).logits
-        assert pack_linears(model) == linears
-        got = model(ids).logits
+    model, ref, want, got = rewrite_in_place(build, pack_linears, ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert not any(type(m) is torch.nn.Linear for m in model.modules())
     head = model.get_output_embeddings()
     assert isinstance(head, PackedLinear)
     if model.config.tie_word_embeddings:  # the head keeps the embedding's weight (the lookup reads it)
         assert head.weight is model.get_input_embeddings().weight
     else:  # the dense weights are gone: only the embeddings and norms remain as parameters
         assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in ref.parameters()) / 2
-    assert pack_linears(model) == 0  # nothing left to pack
-    twin = copy.deepcopy(model)  # a copy is packed too and computes the same
-    with torch.inference_mode():
-        assert torch.equal(twin(ids).logits, got)
+    twin = assert_rewritten_for_good(model, pack_linears, ids, got)  # a copy is packed too
     assert isinstance(twin.get_output_embeddings(), PackedLinear)
 
 
