@@ -4,10 +4,13 @@
 
 On a CPU a draft step is bound by reading its weights, so int8 weights (specsplit.runtime.int8) make
 it cheaper; what they can cost is acceptance. This script times the draft's cached forward of 1 and 4
-rows (the steps of a chain and of a dynamic tree's levels) with its float32 weights packed as the
-engines pack them and with int8 weights, and measures on the target's own recorded greedy answers
-(benchmarks/results/planner_replay-answers.jsonl: 28 prompts, 7 categories) how often each draft's
-greedy choice is the target's next token (teacher-forced), and how often the two drafts agree.
+rows (the steps of a chain and of a dynamic tree's levels) and a prompt's forward, with its float32
+weights packed as the engines pack them and with int8 weights under each int8 kernel the build has.
+On the target's own recorded greedy answers (benchmarks/results/planner_replay-answers.jsonl: 28
+prompts, 7 categories) it measures how often each draft's greedy choice is the target's next token,
+and how often an int8 draft agrees with the float32 one. Each draft runs as the engines run it: the
+prompt in one forward, then the answer fed back a few tokens a step through the cache (teacher-forced),
+so every kernel sees the row counts it sees in a generation.
 
 Writes benchmarks/results/draft_quant-<tag>.{md,json}.
 """
@@ -26,11 +29,13 @@ from pathlib import Path
 import torch
 
 from specsplit.models import load_model
+from specsplit.runtime import int8
 from specsplit.runtime.int8 import quantize_linears
 from specsplit.runtime.packed import pack_linears
 
 HERE = Path(__file__).resolve().parent
 ANSWERS = HERE / "results" / "planner_replay-answers.jsonl"
+KERNELS = ["fbgemm", "int8pack"] if int8.fbgemm_available() else ["int8pack"]
 
 
 @torch.inference_mode()
@@ -49,15 +54,29 @@ def step_ms(model: torch.nn.Module, context: int, rows: int, repeats: int) -> fl
 
 
 @torch.inference_mode()
+def prompt_ms(model: torch.nn.Module, context: int, repeats: int) -> float:
+    """Median ms of a prompt's forward of ``context`` tokens (no cache before it)."""
+    x = torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(max(2, repeats // 3) + 1):
+        t0 = time.perf_counter()
+        model(x, use_cache=True, logits_to_keep=1)  # as the engines: the last position's logits only
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
+
+
+@torch.inference_mode()
 def layer_rows(model: torch.nn.Module, rows: list[int], repeats: int) -> dict[str, dict[int, float]]:
-    """Median ms of the model's largest hidden layer over ``rows`` rows: packed float32 against the
-    int8 kernel (where the two cross sets ``specsplit.runtime.int8.DENSE_ROWS``)."""
+    """Median ms of the model's largest hidden layer over ``rows`` rows: packed float32 against each
+    int8 kernel (where int8pack and float32 cross sets ``specsplit.runtime.int8.DENSE_ROWS``)."""
     from specsplit.runtime.int8 import Int8Linear
     from specsplit.runtime.packed import PackedLinear
 
     big = max((m for m in model.modules() if type(m) is torch.nn.Linear and m is not model.get_output_embeddings()),
               key=lambda m: m.weight.numel())  # fmt: skip
-    layers = {"float32 packed": PackedLinear(big), "int8": Int8Linear(big, dense_rows=None)}
+    layers: dict[str, torch.nn.Module] = {"float32 packed": PackedLinear(big)}
+    for kernel in KERNELS:
+        layers[f"int8 ({kernel})"] = Int8Linear(big, dense_rows=None, kernel=kernel)
     out: dict[str, dict[int, float]] = {}
     for name, layer in layers.items():
         out[name] = {}
@@ -74,32 +93,50 @@ def layer_rows(model: torch.nn.Module, rows: list[int], repeats: int) -> dict[st
 
 
 @torch.inference_mode()
-def agreement(models: dict[str, torch.nn.Module]) -> dict[str, dict[str, float]]:
-    """Per category: each model's greedy hit rate on the answers, and the share of positions where the
-    two models pick the same token."""
-    names = list(models)
-    counts: dict[str, list[int]] = {}
+def answer_hits(model: torch.nn.Module, step_rows: int = 4) -> dict[str, list[torch.Tensor]]:
+    """Per category, per answer: the model's greedy choice at every answer position, run as the
+    engines run a draft (the prompt in one forward, then the answer ``step_rows`` tokens a step)."""
+    out: dict[str, list[torch.Tensor]] = {}
     for line in ANSWERS.read_text().splitlines():
         row = json.loads(line)
-        new = row["new"]
-        ids = torch.tensor([row["prompt"] + new])
-        picks = [m(ids).logits[0, -len(new) - 1 : -1].argmax(-1) for m in models.values()]
-        want = torch.tensor(new)
-        c = counts.setdefault(row["category"], [0, 0, 0, 0])
-        c[0] += int((picks[0] == want).sum())
-        c[1] += int((picks[1] == want).sum())
-        c[2] += int((picks[0] == picks[1]).sum())
-        c[3] += len(new)
-    counts["all"] = [sum(c[i] for c in counts.values()) for i in range(4)]
-    return {
-        cat: {
-            f"{names[0]} hits": c[0] / c[3],
-            f"{names[1]} hits": c[1] / c[3],
-            "agree": c[2] / c[3],
-            "tokens": c[3],
-        }
-        for cat, c in counts.items()
-    }
+        prompt, new = row["prompt"], row["new"]
+        res = model(torch.tensor([prompt]), use_cache=True)
+        picks, past = [res.logits[0, -1:].argmax(-1)], res.past_key_values
+        for i in range(0, len(new) - 1, step_rows):
+            res = model(
+                torch.tensor([new[i : min(i + step_rows, len(new) - 1)]]),
+                past_key_values=past,
+                use_cache=True,
+            )
+            picks.append(res.logits[0].argmax(-1))
+            past = res.past_key_values
+        out.setdefault(row["category"], []).append(torch.cat(picks))
+    return out
+
+
+@torch.inference_mode()
+def agreement(models: dict[str, torch.nn.Module]) -> dict[str, dict[str, float]]:
+    """Per category: each model's greedy hit rate on the answers, and the share of positions where each
+    int8 model picks the float32 model's token (the first model is the float32 one)."""
+    wants: dict[str, torch.Tensor] = {}
+    for line in ANSWERS.read_text().splitlines():
+        row = json.loads(line)
+        wants[row["category"]] = torch.cat([wants.get(row["category"], torch.tensor([], dtype=torch.long)),
+                                            torch.tensor(row["new"])])  # fmt: skip
+    picks = {name: {c: torch.cat(v) for c, v in answer_hits(m).items()} for name, m in models.items()}
+    first = next(iter(models))
+    cats = list(picks[first])
+    wants["all"] = torch.cat([wants[c] for c in cats])
+    for p in picks.values():
+        p["all"] = torch.cat([p[c] for c in cats])
+    result: dict[str, dict[str, float]] = {}
+    for cat, want in wants.items():
+        r = result[cat] = {"tokens": float(want.numel())}
+        for name, p in picks.items():
+            r[f"{name} hits"] = float((p[cat] == want).float().mean())
+            if name != first:
+                r[f"{name} agree"] = float((p[cat] == picks[first][cat]).float().mean())
+    return result
 
 
 def main() -> None:
@@ -115,14 +152,14 @@ def main() -> None:
     dense = load_model(args.draft, dtype=torch.float32, device="cpu")
     row_list = [1, 2, 4, 6, 8, 16, 32, 64, 160]
     by_rows = layer_rows(dense, row_list, 4 * args.repeats)
-    q8 = copy.deepcopy(dense)
-    quantize_linears(q8)
+    models: dict[str, torch.nn.Module] = {"float32 packed": dense}
+    for kernel in KERNELS:
+        models[f"int8 ({kernel})"] = q8 = copy.deepcopy(dense)
+        quantize_linears(q8, kernel=kernel)  # type: ignore[arg-type]
     pack_linears(dense)
-    models = {"float32 packed": dense, "int8": q8}
-    steps = {
-        name: {f"{rows} rows": step_ms(m, args.context, rows, args.repeats) for rows in (1, 4)}
-        for name, m in models.items()
-    }
+    steps = {name: {**{f"{rows} rows": step_ms(m, args.context, rows, args.repeats) for rows in (1, 4)},
+                    "prompt": prompt_ms(m, args.context, args.repeats)}
+             for name, m in models.items()}  # fmt: skip
     agree = agreement(models)
     result = {
         "draft": args.draft,
@@ -142,9 +179,9 @@ def main() -> None:
         "",
         f"Cached forward after {args.context} tokens, ms (median of {args.repeats}):",
         "",
-        "| weights | 1 row | 4 rows |",
-        "|---|---:|---:|",
-        *(f"| {n} | {s['1 rows']:.1f} | {s['4 rows']:.1f} |" for n, s in steps.items()),
+        f"| weights | 1 row | 4 rows | prompt of {args.context} tokens |",
+        "|---|---:|---:|---:|",
+        *(f"| {n} | {s['1 rows']:.1f} | {s['4 rows']:.1f} | {s['prompt']:.1f} |" for n, s in steps.items()),
         "",
         "The draft's largest hidden layer, ms a call by rows (median):",
         "",
@@ -152,12 +189,21 @@ def main() -> None:
         "|---|" + "---:|" * len(row_list),
         *(f"| {n} | " + " | ".join(f"{ms[r]:.2f}" for r in row_list) + " |" for n, ms in by_rows.items()),
         "",
-        "Greedy choice against the target's recorded answers (teacher-forced):",
+        "Greedy choice against the target's recorded answers (teacher-forced; the prompt in one forward,",
+        "then the answer 4 tokens a step), and each int8 draft's agreement with the float32 one:",
         "",
-        "| category | tokens | float32 draft hits | int8 draft hits | the two agree |",
-        "|---|---:|---:|---:|---:|",
+        "| category | tokens | "
+        + " | ".join(f"{n} hits" for n in models)
+        + " | "
+        + " | ".join(f"{n} agrees" for n in list(models)[1:])
+        + " |",
+        "|---|" + "---:|" * (2 * len(models)),
         *(
-            f"| {cat} | {a['tokens']} | {a['float32 packed hits']:.3f} | {a['int8 hits']:.3f} | {a['agree']:.3f} |"
+            f"| {cat} | {int(a['tokens'])} | "
+            + " | ".join(f"{a[f'{n} hits']:.3f}" for n in models)
+            + " | "
+            + " | ".join(f"{a[f'{n} agree']:.3f}" for n in list(models)[1:])
+            + " |"
             for cat, a in agree.items()
         ),
     ]

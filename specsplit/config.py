@@ -303,7 +303,9 @@ class DraftConfig:
             never. Low-order bits of results may differ from the unpacked model's.
         quantize: the draft's linear weights as int8 with a scale per output channel
             (:mod:`specsplit.runtime.int8`, CPU only): a draft step reads a quarter of the float32
-            bytes. Lossless (the target verifies every token); it can only cost acceptance.
+            bytes, and where PyTorch has FBGEMM (x86) its inputs are quantized too, for int8 products
+            in prompts as in steps. Lossless (the target verifies every token); it can only cost
+            acceptance.
             ``"auto"`` (default): on a draft the engine loads itself on a CPU, where this machine's
             int8 kernel beats the dense one and ``compile`` is off; ``"int8"``: always (a model
             object passed in is rewritten in place); ``"none"``: never.

@@ -22,11 +22,16 @@ from specsplit.runtime.packed import PackedLinear
 pytestmark = pytest.mark.skipif(not int8.available(), reason="this torch build has no int8 weight kernel")
 
 
-def test_int8_linear_is_close_to_linear_and_rows_do_not_interact():
+KERNELS = [pytest.param(k, marks=pytest.mark.skipif(k == "fbgemm" and not int8.fbgemm_available(),
+                                                    reason="no FBGEMM")) for k in ("fbgemm", "int8pack")]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int8_linear_is_close_to_linear(kernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 200)
     ref = copy.deepcopy(lin)
-    q = Int8Linear(lin, dense_rows=None)  # every call through the int8 kernel
+    q = Int8Linear(lin, dense_rows=None, kernel=kernel)  # every call through the int8 kernel
     assert q.qweight.dtype == torch.int8 and q.qweight.shape == (200, 96)
     # every row of the weight is within half a step of its scale
     step = q.scale.float()[:, None]
@@ -38,25 +43,68 @@ def test_int8_linear_is_close_to_linear_and_rows_do_not_interact():
         assert out.shape == want.shape and out.dtype == x.dtype
         rel = (out - want).norm() / want.norm()
         assert rel < 0.02, float(rel)
-        assert torch.equal(out[1, 4], q(x[1, 4:5])[0])  # a row does not depend on its neighbours
-    assert "int8" in repr(q)
+        assert torch.equal(q(x), out)  # deterministic
+    assert f"int8 ({kernel})" in repr(q)
+
+
+def test_int8pack_rows_do_not_interact():
+    torch.manual_seed(0)
+    q = Int8Linear(torch.nn.Linear(96, 200), dense_rows=None, kernel="int8pack")
+    x = torch.randn(3, 7, 96)
+    with torch.inference_mode():
+        assert torch.equal(q(x)[1, 4], q(x[1, 4:5])[0])  # a row does not depend on its neighbours
+
+
+@pytest.mark.skipif(not int8.fbgemm_available(), reason="no FBGEMM")
+def test_fbgemm_rows_share_an_input_scale_only_within_their_group():
+    """The input is quantized with one scale per group of SCALE_ROWS consecutive rows: a long call
+    (a prompt) equals its groups called one by one, and a row is not scaled by rows outside its group
+    (one huge row elsewhere leaves it alone)."""
+    torch.manual_seed(0)
+    q = Int8Linear(torch.nn.Linear(64, 80), kernel="fbgemm")
+    assert q.dense is None  # faster than the dense product at any row count: no copy kept
+    g = int8.SCALE_ROWS
+    x = torch.randn(2 * g + 3, 64)
+    with torch.inference_mode():
+        out = q(x)
+        assert torch.equal(out, torch.cat([q(part) for part in x.split(g)]))
+        loud = x.clone()
+        loud[0] *= 1000.0  # only the first group's scale grows
+        assert torch.equal(q(loud)[g:], out[g:])
+        assert not torch.equal(q(loud)[1:g], out[1:g])
+
+
+@pytest.mark.skipif(not int8.fbgemm_available(), reason="no FBGEMM")
+def test_both_kernels_hold_the_same_int8_weight():
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 48)
+    a, b = Int8Linear(lin, kernel="fbgemm"), Int8Linear(lin, kernel="int8pack")
+    assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale)
+    unpacked = torch.ops.quantized.linear_unpack(a._packed)[0]
+    assert torch.equal(unpacked.int_repr(), a.qweight)
+    assert torch.equal(unpacked.q_per_channel_scales().float(), a.scale.float())
+    twin = copy.deepcopy(a)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.equal(twin(x), a(x))
 
 
 def test_many_rows_take_the_dense_weight_and_a_small_model_keeps_none():
-    """The int8 kernel's time grows with the rows: a prompt's forward (more than ``dense_rows`` rows)
-    takes the dense weight kept for it; ``dense_rows=None`` keeps only the int8 weight."""
+    """The int8pack kernel's time grows with the rows: a prompt's forward (more than ``dense_rows``
+    rows) takes the dense weight kept for it; ``dense_rows=None`` keeps only the int8 weight."""
     torch.manual_seed(1)
     lin = torch.nn.Linear(64, 96)
     ref = copy.deepcopy(lin)
-    q = Int8Linear(lin, dense_rows=4)
+    q = Int8Linear(lin, kernel="int8pack")
+    assert q.dense_rows == int8.DENSE_ROWS
     with torch.inference_mode():
         few, many = torch.randn(4, 64), torch.randn(5, 64)
         torch.testing.assert_close(q(many), ref(many), atol=1e-5, rtol=1e-5)  # dense: the original product
         assert not torch.allclose(q(few), ref(few), atol=1e-6, rtol=0)  # int8
-        assert torch.equal(q(few), Int8Linear(copy.deepcopy(ref), dense_rows=None)(few))
+        assert torch.equal(q(few), Int8Linear(copy.deepcopy(ref), dense_rows=None, kernel="int8pack")(few))
     model = tiny_qwen2(2)
     ref_size = sum(t.numel() * t.element_size() for t in model.parameters())
-    quantize_linears(model, dense_rows=None)
+    quantize_linears(model, dense_rows=None, kernel="int8pack")
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     assert size < ref_size * 0.45
     assert all(m.dense is None for m in model.modules() if isinstance(m, Int8Linear))
@@ -101,9 +149,13 @@ def test_int8_pays_leaves_small_models_alone_and_times_large_ones(monkeypatch):
     assert all(type(m) is torch.nn.Linear for m in big)  # timing does not rewrite the model
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
-def test_an_int8_draft_gives_exactly_the_targets_output(shape):
-    """float32 greedy: the tokens of HF generate() on the target, as with the float32 draft."""
+def test_an_int8_draft_gives_exactly_the_targets_output(shape, kernel, monkeypatch):
+    """float32 greedy: the tokens of HF generate() on the target, as with the float32 draft, under
+    either kernel (a build without FBGEMM gets the weight-only one)."""
+    if kernel == "int8pack":
+        monkeypatch.setattr(int8, "fbgemm_available", lambda: False)
     target = tiny_qwen2(5, hidden=128)
     draft = noisy_copy(target, 0.002, seed=1)
     ids = torch.tensor([PROMPT])
@@ -112,6 +164,7 @@ def test_an_int8_draft_gives_exactly_the_targets_output(shape):
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         out = gen.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
         assert isinstance(draft.model.layers[0].mlp.up_proj, Int8Linear)
+        assert draft.model.layers[0].mlp.up_proj.kernel == kernel
         assert torch.equal(out.sequences, ref)
         assert out.spec_stats.acceptance_rate > 0.3  # the int8 draft still proposes well
         # seeded sampling reproduces (the q of a sampled tree is the int8 draft's own)

@@ -1,43 +1,72 @@
-"""Weight-only int8 linear layers for a draft model on a CPU.
+"""int8 linear layers for a draft model on a CPU.
 
 On a CPU a one-token step is bound by reading the weights, so a draft step costs what its weights
 weigh: a float32 0.5B draft reads ~2 GB a step. Stored as int8 with one scale per output channel, the
-same layers read a quarter of that, and PyTorch's int8 weight kernel (``aten._weight_int8pack_mm``,
-bfloat16 activations) runs a draft step about 2.5-3× faster than the packed float32 one
-(``python benchmarks/draft_quant.py`` measures it on a given machine, with the draft's agreement).
+same layers read a quarter of that. Two kernels run them, the faster one where the build has it:
+
+- ``"fbgemm"``: PyTorch's dynamically quantized linear (``quantized::linear_dynamic``). Each call
+  also quantizes its input to uint8 with one scale, then multiplies int8 by int8 (VNNI dot products
+  where the CPU has them). It is several times faster than the float32 product at every row count,
+  prompts included, so the layer keeps no dense weight. Rows share the input scale in groups of
+  :data:`SCALE_ROWS` consecutive rows: a prompt's rows are quantized in such groups, never with one
+  scale for the whole prompt, which would cost the draft some of its hits.
+- ``"int8pack"``: ``aten._weight_int8pack_mm``, weight-only (bfloat16 activations, each row on its
+  own). A matrix-vector product whose time grows with every row, so the hidden layers also keep
+  their dense weight (packed for the CPU) for calls of more than :data:`DENSE_ROWS` rows.
 
 Only a draft may be quantized: speculative decoding stays exact whatever the draft proposes, since
 the target verifies every token and sampling corrects by the draft's own distribution ``q``, which
-is computed from the quantized model. What quantization can cost is acceptance: per-channel int8
-weights keep the draft's greedy choice on ~99% of the positions of the bench's answers
-(RESULTS, "An int8 draft on the CPU").
+is computed from the quantized model. What quantization can cost is acceptance, and it costs
+little: on the bench's recorded answers either kernel keeps the float32 draft's hits to within a few
+tenths of a percent (``python benchmarks/draft_quant.py`` measures steps and hits on a machine).
 
 :func:`quantize_linears` rewrites a loaded model in place: each ``nn.Linear`` becomes an
-:class:`Int8Linear` holding its int8 weight and scales, which every step of a few rows reads (a
-quarter of the float32 bytes). The int8 kernel is a matrix-vector product whose time grows with the
-rows, so the hidden layers also keep their dense weight (packed for the CPU) for a prompt's forward:
-the model then holds about what it held before plus the int8 copy. An output layer tied to the input
-embeddings gets its own int8 copy and the embedding keeps the dense weight.
-:func:`int8_pays` times both kernels on one of the model's own layers, so ``quantize="auto"`` turns
-it on only where this machine's int8 kernel is the faster one.
+:class:`Int8Linear`. An output layer tied to the input embeddings gets its own int8 copy and the
+embedding keeps the dense weight. :func:`int8_pays` times the int8 kernel against the dense product
+on one of the model's own layers, so ``quantize="auto"`` turns it on only where this machine's int8
+kernel is the faster one.
 
-Limits: a CPU, inference only; activations pass through bfloat16 inside each product.
+Limits: a CPU, inference only. With the ``"fbgemm"`` kernel a row's result depends slightly on the
+other rows of its scale group (their shared input scale); the draft's ``q`` is still what it drew
+from, so the output stays exact. PyTorch marks its quantized-tensor constructors deprecated; where a
+build no longer has them the ``"int8pack"`` kernel is used.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+import warnings
+from typing import Any, Literal
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 
+Kernel = Literal["fbgemm", "int8pack"]
+
+
+def fbgemm_available() -> bool:
+    """Whether this torch build has FBGEMM's dynamically quantized linear (x86 CPUs)."""
+    ops = getattr(torch.ops, "quantized", None)
+    return (
+        "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch, "_make_per_channel_quantized_tensor")
+        and ops is not None
+        and hasattr(ops, "linear_dynamic")
+        and hasattr(ops, "linear_prepack")
+    )
+
+
 def available() -> bool:
-    """Whether this torch build has the int8 weight kernel."""
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    """Whether this torch build has an int8 kernel for :class:`Int8Linear`."""
+    return fbgemm_available() or hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def default_kernel() -> Kernel:
+    """The faster kernel this build has: ``"fbgemm"``, else ``"int8pack"``."""
+    return "fbgemm" if fbgemm_available() else "int8pack"
 
 
 def quantizable(model: torch.nn.Module) -> bool:
@@ -60,8 +89,30 @@ def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # PyTorch's int8 weight kernel is a matrix-vector product: its time grows with every row, while a
 # packed dense product of a few rows costs about one row's; on the 2-core CPU measured the two cross
 # between 4 and 6 rows (NOTES, "An int8 draft on the CPU"). Calls with more rows than this (a prompt,
-# a long ingest) take the dense weight the layer keeps for them.
+# a long ingest) take the dense weight the layer keeps for them ("int8pack" kernel only).
 DENSE_ROWS = 4
+
+# The "fbgemm" kernel quantizes its input with one scale a call. A prompt quantized with one scale for
+# all its rows loses ~1% of the draft's hits on the bench's answers, groups of up to this many rows
+# lose nothing measurable (NOTES, "An int8 draft on the CPU"); a tree level, a chain step or the
+# tokens a round accepted fit in one group.
+SCALE_ROWS = 16
+
+
+def _reduce_range() -> bool:
+    """FBGEMM's uint8 inputs use 7 bits unless the CPU has VNNI: without it the int8 products are
+    summed in pairs into 16 bits, which a full-range input can overflow."""
+    vnni = getattr(torch.cpu, "_is_vnni_supported", None)
+    return not (callable(vnni) and vnni())
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any:
+    """FBGEMM's packed form of an int8 weight with one scale a row (the same int8 values)."""
+    zero = torch.zeros(q.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the quantized-tensor constructors' deprecation
+        qt = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
+    return torch.ops.quantized.linear_prepack(qt, None)
 
 
 class Int8Linear(torch.nn.Module):
@@ -71,19 +122,35 @@ class Int8Linear(torch.nn.Module):
         linear: the layer to quantize.
         dense_rows: calls with more rows than this use a dense copy of the original weight (packed
             for the CPU's matmul where :mod:`specsplit.runtime.packed` applies), kept for them;
-            ``None`` keeps no copy (every call takes the int8 kernel).
+            ``None`` keeps no copy (every call takes the int8 kernel). ``"auto"``: the kernel's own
+            choice (:data:`DENSE_ROWS` for ``"int8pack"``, none for ``"fbgemm"``, which is faster
+            than the dense product at any row count).
+        kernel: ``"fbgemm"`` or ``"int8pack"`` (module docstring); default the faster one the build
+            has (:func:`default_kernel`).
     """
 
     dense: torch.nn.Module | None
 
-    def __init__(self, linear: torch.nn.Linear, dense_rows: int | None = DENSE_ROWS):
+    def __init__(self, linear: torch.nn.Linear, dense_rows: int | None | Literal["auto"] = "auto",
+                 kernel: Kernel | None = None):  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel: Kernel = kernel or default_kernel()
+        if self.kernel == "fbgemm" and not fbgemm_available():
+            raise RuntimeError("this torch build has no FBGEMM quantized linear")
+        if dense_rows == "auto":
+            dense_rows = None if self.kernel == "fbgemm" else DENSE_ROWS
         q, scale = _int8_rows(linear.weight)
-        self.qweight: torch.Tensor
-        self.scale: torch.Tensor
-        self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale)
+        self._packed: Any = None
+        self._q: torch.Tensor | None
+        self._s: torch.Tensor | None
+        fbgemm = self.kernel == "fbgemm"
+        # With FBGEMM the int8 weight and its scales live in its packed form only (one copy).
+        self.register_buffer("_q", None if fbgemm else q)
+        self.register_buffer("_s", None if fbgemm else scale)
+        if fbgemm:
+            self._packed = _fbgemm_pack(q, scale)
+            self._reduce_range = _reduce_range()
         self.bias = linear.bias
         self.dense_rows = dense_rows
         self.dense = None
@@ -95,21 +162,47 @@ class Int8Linear(torch.nn.Module):
             self.dense = PackedLinear(dense) if packable(dense) else dense
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight, ``[out_features, in_features]`` (unpacked on every access for FBGEMM)."""
+        if self._q is not None:
+            return self._q
+        return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr()  # type: ignore[no-any-return]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """Each output row's scale, a bfloat16 (the int8pack kernel's type; FBGEMM holds the same values)."""
+        if self._s is not None:
+            return self._s
+        scales = torch.ops.quantized.linear_unpack(self._packed)[0].q_per_channel_scales()
+        return scales.to(torch.bfloat16)  # type: ignore[no-any-return]
+
+    @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (a new float32 tensor on every access)."""
         return self.qweight.float() * self.scale.float()[:, None]
+
+    def _fbgemm(self, flat: torch.Tensor) -> torch.Tensor:
+        flat = flat.float()
+        rows = flat.shape[0]
+        if rows <= SCALE_ROWS:
+            out: torch.Tensor = torch.ops.quantized.linear_dynamic(flat, self._packed, self._reduce_range)
+            return out
+        return torch.cat([self._fbgemm(part) for part in flat.split(SCALE_ROWS)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.dense is not None and self.dense_rows is not None and flat.shape[0] > self.dense_rows:
             out = self.dense(flat)
+        elif self._packed is not None:
+            out = self._fbgemm(flat)
         else:
-            out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight, self.scale)
+            out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self._q, self._s)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 ({self.kernel})")  # fmt: skip
 
 
 def _linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
@@ -170,12 +263,15 @@ def wants_int8(mode: str, model: torch.nn.Module, excluded: bool = False) -> boo
     return mode == "auto" and not excluded and int8_pays(model)
 
 
-def quantize_linears(model: torch.nn.Module, dense_rows: int | None = DENSE_ROWS) -> int:
+def quantize_linears(
+    model: torch.nn.Module, dense_rows: int | None | Literal["auto"] = "auto", kernel: Kernel | None = None
+) -> int:
     """Replace every ``nn.Linear`` of ``model`` by an :class:`Int8Linear` (in place); how many.
 
-    The hidden layers keep a dense copy for calls of more than ``dense_rows`` rows (prompts); the
-    output layer does not (the engines score a prompt's last position only). A model that is not on
-    a CPU, or a torch without the kernel, is left alone (returns 0).
+    The hidden layers keep a dense copy for calls of more than ``dense_rows`` rows (prompts) where
+    their kernel needs one (``"auto"``: the ``"int8pack"`` kernel only); the output layer never does
+    (the engines score a prompt's last position only). ``kernel``: :class:`Int8Linear`'s. A model
+    that is not on a CPU, or a torch without the kernel, is left alone (returns 0).
     """
     if not quantizable(model):
         return 0
@@ -184,6 +280,8 @@ def quantize_linears(model: torch.nn.Module, dense_rows: int | None = DENSE_ROWS
     head = get_head() if callable(get_head) else None
     with torch.no_grad():
         for parent, name, child in swaps:
-            setattr(parent, name, Int8Linear(child, None if child is head else dense_rows))
-    logger.info("int8 weights for %d linear layers of the draft", len(swaps))
+            setattr(parent, name, Int8Linear(child, None if child is head else dense_rows, kernel))
+    logger.info(
+        "int8 weights for %d linear layers of the draft (%s kernel)", len(swaps), kernel or default_kernel()
+    )
     return len(swaps)
