@@ -89,6 +89,17 @@ def test_both_kernels_hold_the_same_int8_weight():
         assert torch.equal(twin(x), a(x))
 
 
+def test_a_build_whose_fbgemm_refuses_to_run_gets_the_weight_only_kernel(monkeypatch):
+    def refuse(*_):
+        raise RuntimeError("quantized tensors are not supported")
+
+    monkeypatch.setattr(int8, "_fbgemm_pack", refuse)
+    assert not int8.fbgemm_available.__wrapped__()  # the uncached probe
+    monkeypatch.setattr(int8, "fbgemm_available", int8.fbgemm_available.__wrapped__)
+    assert int8.default_kernel() == "int8pack"
+    assert Int8Linear(torch.nn.Linear(8, 8)).kernel == "int8pack"
+
+
 def test_many_rows_take_the_dense_weight_and_a_small_model_keeps_none():
     """The int8pack kernel's time grows with the rows: a prompt's forward (more than ``dense_rows``
     rows) takes the dense weight kept for it; ``dense_rows=None`` keeps only the int8 weight."""

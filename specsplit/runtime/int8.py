@@ -29,11 +29,12 @@ kernel is the faster one.
 Limits: a CPU, inference only. With the ``"fbgemm"`` kernel a row's result depends slightly on the
 other rows of its scale group (their shared input scale); the draft's ``q`` is still what it drew
 from, so the output stays exact. PyTorch marks its quantized-tensor constructors deprecated; where a
-build no longer has them the ``"int8pack"`` kernel is used.
+build no longer has or runs them the ``"int8pack"`` kernel is used.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -47,16 +48,27 @@ logger = logging.getLogger(__name__)
 Kernel = Literal["fbgemm", "int8pack"]
 
 
+@functools.cache
 def fbgemm_available() -> bool:
-    """Whether this torch build has FBGEMM's dynamically quantized linear (x86 CPUs)."""
+    """Whether this torch build runs FBGEMM's dynamically quantized linear (x86 CPUs): checked once
+    by packing and running a tiny layer, so a build that lists the ops but refuses them (PyTorch has
+    deprecated the quantized-tensor constructors they need) falls back to the weight-only kernel."""
     ops = getattr(torch.ops, "quantized", None)
-    return (
+    if not (
         "fbgemm" in torch.backends.quantized.supported_engines
         and hasattr(torch, "_make_per_channel_quantized_tensor")
         and ops is not None
         and hasattr(ops, "linear_dynamic")
         and hasattr(ops, "linear_prepack")
-    )
+    ):
+        return False
+    try:
+        packed = _fbgemm_pack(torch.ones(2, 4, dtype=torch.int8), torch.ones(2, dtype=torch.bfloat16))
+        out = torch.ops.quantized.linear_dynamic(torch.ones(1, 4), packed, True)
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        logger.info("FBGEMM's quantized linear does not run here (%s): int8 weights only", e)
+        return False
+    return bool(torch.allclose(out, torch.full((1, 2), 4.0)))
 
 
 def available() -> bool:
