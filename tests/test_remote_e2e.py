@@ -606,3 +606,34 @@ def test_draft_worker_with_a_restricted_vocabulary_keeps_the_output(workers, mod
     finally:
         assert restricted.terminate() == 0, "".join(restricted.log[-20:])
     assert any(f"drafts from the {VOCAB // 2} best-ranked tokens" in line for line in restricted.log)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_an_int8_draft_worker_equals_the_int8_draft_in_process(workers, model_dirs, sampling: str) -> None:
+    """``specsplit serve draft --draft-quantize int8``: the same int8 draft over gRPC as in one process
+    (identical tokens and rounds, greedy and seeded), and greedy still the target's ``generate()``."""
+    from specsplit.config import DraftConfig
+    from specsplit.runtime import int8
+
+    target_dir, draft_dir = model_dirs
+    (quantized,) = start_all([Worker("draft", draft_dir, ["--draft-quantize", "int8"])])
+    try:
+        ids, mask = prompts(1, seed=6)
+        tree = TREES["chain8-stop"]
+        local = (
+            DraftEngine(load_saved(draft_dir), DraftConfig(quantize="int8")),
+            TargetEngine(load_saved(target_dir)),
+        )
+        with local_gen(local, tree) as gen:
+            want = run(gen, ids, mask, SAMPLING[sampling], seed=11, n=32)
+        with grpc_gen((workers[0], quantized), tree) as gen:
+            got = run(gen, ids, mask, SAMPLING[sampling], seed=11, n=32)
+        assert torch.equal(got.sequences, want.sequences)
+        assert round_stats(got) == round_stats(want)
+        if sampling == "greedy":
+            target = load_saved(target_dir)
+            ref = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+            assert torch.equal(got.sequences, ref)
+    finally:
+        assert quantized.terminate() == 0, "".join(quantized.log[-20:])
+    assert any(f"int8 weights ({int8.default_kernel()})" in line for line in quantized.log)

@@ -260,6 +260,15 @@ def check_exposure(host: str, tls: bool, token: bool, insecure: bool) -> None:
     )
 
 
+def _int8_note(model: torch.nn.Module | None) -> str:
+    """``", int8 weights (<kernel>)"`` for a model whose linear layers run in int8, else ``""``."""
+    from specsplit.runtime.int8 import Int8Linear
+
+    layers = (m for m in model.modules() if isinstance(m, Int8Linear)) if model is not None else iter(())
+    first = next(layers, None)
+    return f", int8 weights ({first.kernel})" if first is not None else ""
+
+
 def _load(args: argparse.Namespace, cfg: Any) -> torch.nn.Module:
     """The worker's model, loaded here; unless told otherwise a draft's weights become int8 and a
     target's get packed where that pays on a CPU, as the engines do with the models they load
@@ -411,8 +420,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     info = engine.info()  # type: ignore[attr-defined]
-    head = getattr(getattr(engine, "runner", None), "head", None)
+    runner = getattr(engine, "runner", None)
+    head = getattr(runner, "head", None)
     scored = f", drafts from the {head.ids.numel()} best-ranked tokens" if head is not None else ""
+    scored += _int8_note(getattr(runner, "model", None))
     print(f"READY {server.port}", flush=True)
     print(
         f"[specsplit] {args.role} worker: {info.model_name} ({info.dtype}, {info.device}, vocab "

@@ -111,6 +111,7 @@ DENSE_ROWS = 4
 SCALE_ROWS = 16
 
 
+@functools.cache
 def _reduce_range() -> bool:
     """FBGEMM's uint8 inputs use 7 bits unless the CPU has VNNI: without it the int8 products are
     summed in pairs into 16 bits, which a full-range input can overflow."""
@@ -162,7 +163,6 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("_s", None if fbgemm else scale)
         if fbgemm:
             self._packed = _fbgemm_pack(q, scale)
-            self._reduce_range = _reduce_range()
         self.bias = linear.bias
         self.dense_rows = dense_rows
         self.dense = None
@@ -194,12 +194,9 @@ class Int8Linear(torch.nn.Module):
         return self.qweight.float() * self.scale.float()[:, None]
 
     def _fbgemm(self, flat: torch.Tensor) -> torch.Tensor:
-        flat = flat.float()
-        rows = flat.shape[0]
-        if rows <= SCALE_ROWS:
-            out: torch.Tensor = torch.ops.quantized.linear_dynamic(flat, self._packed, self._reduce_range)
-            return out
-        return torch.cat([self._fbgemm(part) for part in flat.split(SCALE_ROWS)])
+        parts = flat.float().split(SCALE_ROWS)  # one input scale per group (a step: one group)
+        outs = [torch.ops.quantized.linear_dynamic(p, self._packed, _reduce_range()) for p in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
