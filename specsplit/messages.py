@@ -167,6 +167,8 @@ class VerifyRequest:
         processing: HF logits processors to apply to every row (None: ``sampling`` alone).
         return_scores / return_logits: return the processed scores / raw logits of the rows that
             decided the committed tokens (``generate(output_scores=True / output_logits=True)``).
+        return_choices: return the target's token after every row (``VerifyResult.choices``:
+            lookahead drafting learns from them).
     """
 
     session_id: str
@@ -179,6 +181,7 @@ class VerifyRequest:
     processing: LogitsProcessing | None = None
     return_scores: bool = False
     return_logits: bool = False
+    return_choices: bool = False
 
 
 @dataclass
@@ -194,6 +197,9 @@ class VerifyResult:
         num_nodes: nodes in the verified tree.
         scores / logits: `[accepted + 1, vocab]` float32 processed scores / raw logits of the rows
             that decided ``accepted_token_ids + [next_token_id]`` (only when the request asked).
+        choices: with ``return_choices``, `N + 1` token ids: the target's token after the last
+            pending token, then after each node (its argmax; under sampling its position-keyed
+            draw). None when not asked, or where a tree drawn from ``q`` was rejection-sampled.
     """
 
     accepted_token_ids: list[int]
@@ -206,6 +212,7 @@ class VerifyResult:
     cache_hit: bool = False
     scores: Any = None  # torch.Tensor | None
     logits: Any = None  # torch.Tensor | None
+    choices: list[int] | None = None
 
     @property
     def acceptance_rate(self) -> float:

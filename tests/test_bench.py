@@ -461,6 +461,7 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
                     "specsplit-auto-chain",
                     "specsplit-chain",
                     "specsplit-dynamic",
+                    "specsplit-lookahead",
                 )
                 assert "torch.compile" not in d.label and not d.shape_warmup
                 # the restricted draft vocabulary's A/B: only the -frspec decoders' drafts get one
@@ -675,7 +676,9 @@ _OPTIONAL_NAMES = (
     "specsplit-grpc-targetloop-dynamic-noipc", "specsplit-target-only-prefill", "specsplit-dynamic-prefill",
     "specsplit-target-only-prefill-compiled", "specsplit-dynamic-prefill-compiled",
     "specsplit-ngram", "specsplit-ngram-compiled", "specsplit-suffix", "specsplit-suffix-compiled",
-    "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled", "specsplit-auto-chain",
+    "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
+    "specsplit-lookahead", "specsplit-lookahead-compiled", "specsplit-lookahead-always-compiled",
+    "specsplit-auto-lookahead-compiled", "specsplit-auto-chain",
     "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
 )  # fmt: skip
 
@@ -690,7 +693,8 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
     for name, spec in DECODERS.items():
         assert spec.name == name
         assert spec.drafter == next(
-            (d for d in ("ngram", "suffix", "hybrid", "auto") if f"-{d}" in name), "model"
+            (d for d in ("ngram", "suffix", "hybrid", "auto") if f"-{d}" in name),
+            "ngram" if "-lookahead" in name else "model",
         )
         assert (spec.kind == "hf") == name.startswith("hf-")
         if spec.kind == "hf":
@@ -713,6 +717,8 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("no tree slots" in label) == (not spec.tree_ipc) == name.endswith("-noipc"), name
         assert ("without a draft" in label) == spec.target_only == ("target-only" in name), name
         assert ("(FR-Spec)" in label) == spec.draft_vocab == ("-frspec" in name), name
+        assert ("lookahead window" in label) == bool(spec.lookahead) == ("-lookahead" in name), name
+        assert ("in every n-gram round" in label) == (spec.lookahead == "always") == ("-always" in name), name
         model_tree = (
             "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
         )  # drafters: the dynamic tree
@@ -740,6 +746,9 @@ def test_spec_fields_drive_the_built_config() -> None:
             assert cfg.target.tuning.graph_rounds, d.name
             assert cfg.draft.tuning.graph_rounds == (spec.draft_graph_rounds is not False), d.name
             assert cfg.target.tuning.prefill_graphs == spec.compile, d.name  # on with graphs (the default)
+            ngram = cfg.tuning.ngram  # the run's lookahead window (--lookahead) on the -lookahead rows only
+            assert (ngram.lookahead, ngram.lookahead_levels) == ((7, 3) if spec.lookahead else (0, 3)), d.name
+            assert not spec.lookahead or ngram.lookahead_policy == spec.lookahead, d.name
         levels = next(d for d in decs if d.name == "specsplit-dynamic-levels-compiled").config
         assert levels.draft.compile and levels.draft.cuda_graphs and not levels.draft.tuning.graph_rounds
         assert levels.target.tuning.graph_rounds

@@ -457,11 +457,18 @@ def test_tree_slot_sanitize_on_cuda_equals_cpu():
     assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got, strict=True))
 
 
-@pytest.mark.parametrize("mode", ["ngram", "auto"])
+@pytest.mark.parametrize("mode", ["ngram", "auto", "lookahead"])
 def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode):
-    """n-gram trees padded to a few sizes, verified by one-graph greedy rounds on a GPU: HF greedy's
-    tokens; under sampling, target-only sampling's tokens for the same seed (position-keyed draws)."""
+    """n-gram trees padded to a few sizes (and lookahead trees: n-grams plus a Jacobi window), verified
+    by one-graph greedy rounds on a GPU: HF greedy's tokens; under sampling, target-only sampling's
+    tokens for the same seed (position-keyed draws)."""
     import copy
+
+    from specsplit.config import NgramConfig, PipelineTuning
+
+    lookahead = mode == "lookahead"
+    mode = "ngram" if lookahead else mode
+    ngram = NgramConfig(lookahead=4 if lookahead else 0, lookahead_policy="always")
 
     ddev, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
@@ -475,6 +482,7 @@ def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode
         target=TargetConfig(
             device=tdev, dtype="float32", cuda_graphs=True, tuning=EngineTuning(graph_capacity=512)
         ),
+        tuning=PipelineTuning(ngram=ngram),
     )
     ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17, 33, 81]])
     ref = llama_target.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0)
@@ -482,11 +490,13 @@ def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode
     plain_cfg = SpecSplitConfig(target=TargetConfig(device=tdev, dtype="float32"))
     with SpecSplitGenerator(copy.deepcopy(llama_target).to(tdev), None, config=plain_cfg) as plain:
         sampled_ref = plain.generate(ids, generator=torch.Generator().manual_seed(9), **kw)
+    drafted = 0
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
         for _ in range(2):
             out = gen.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
             assert torch.equal(out.sequences, ref)
-        assert out.spec_stats.rounds_by_drafter().get("ngram", 0) > 0
+            drafted += out.spec_stats.rounds_by_drafter().get("lookahead" if lookahead else "ngram", 0)
+        assert drafted > 0
         assert torch.equal(gen.generate(ids, generator=torch.Generator().manual_seed(9), **kw), sampled_ref)
         sizes = {key[0] for key in gen.target_engine._rounds}
     assert sizes <= {0, 2, 4, 8, 16, 32}

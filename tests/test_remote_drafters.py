@@ -69,3 +69,25 @@ def test_worker_default_drafter_serves_requests_that_name_none(target_model) -> 
     assert {r.drafter for r in rounds} >= {"ngram"}
     assert sum(len(r.token_ids) for r in rounds) == 24
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("loop", ["client", "target"])
+def test_lookahead_over_grpc_equals_local(target_model, loop: str) -> None:
+    """Lookahead rounds over gRPC: the client loop asks the target worker for its choices after
+    every node (``VerifyRequest.return_choices``); a worker running the rounds keeps its own window
+    (``specsplit serve target --lookahead``). Same tokens as local mode, and lookahead rounds ran."""
+    from specsplit.config import NgramConfig, PipelineTuning
+
+    ngram = NgramConfig(lookahead=4, lookahead_levels=2, lookahead_policy="always")
+    ids = torch.tensor([[44, 3, 19, 250, 61, 62, 63, 64, 9, 3, 19]])
+    kw = dict(max_new_tokens=32, return_dict_in_generate=True)
+    with SpecSplitGenerator(target_model, None, config=SpecSplitConfig(drafter="ngram")) as local:
+        ref = local.generate(ids, **kw)
+    with serve_target(TargetEngine(target_model), ngram=ngram) as srv:
+        cfg = SpecSplitConfig(transport="grpc", target_address=srv.address, drafter="ngram", grpc_loop=loop,
+                              tuning=PipelineTuning(ngram=ngram))  # fmt: skip
+        with SpecSplitGenerator(config=cfg) as gen:
+            out = gen.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    by = out.spec_stats.rounds_by_drafter()
+    assert by.get("lookahead", 0) > 0, by

@@ -64,7 +64,7 @@ def test_fast_top_k_top_p_flags_ties_beyond_its_candidates_and_the_round_is_redo
     assert (exact > 0).sum() > 10 + TIE_SLACK >= (probs > 0).sum()  # the fast path alone is off here
     tree = _tree([], [])
     for seed in range(10):  # without the redo, most of these seeds pick another token
-        _, (_, _, nxt) = decide_to_host(logits, tree, params, seed, 7, 0, 0)
+        _, (_, _, nxt), _ = decide_to_host(logits, tree, params, seed, 7, 0, 0)
         ref = decide(logits, tree, params, seed, 7, 0, 0, exact_probs=True)
         assert nxt == int(ref.next_token)
     no_tie = torch.randn(3, 400)
@@ -160,7 +160,9 @@ def test_a_set_guard_decides_the_round_on_the_exact_scores():
 
     for flag, want in ((1, 1), (0, 0)):
         guard = torch.tensor([flag])
-        used, (_, _, nxt) = decide_to_host(fast, tree, SamplingParams(), None, 0, 0, 0, guard, exact_logits)
+        used, (_, _, nxt), _ = decide_to_host(
+            fast, tree, SamplingParams(), None, 0, 0, 0, guard, exact_logits
+        )
         assert nxt == want and (used is exact) == bool(flag)
     assert calls == [1]
 

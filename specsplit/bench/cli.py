@@ -34,6 +34,7 @@ from specsplit.bench.run import (
     run_bench,
 )
 from specsplit.cli.common import add_engine_flags, add_tuning_flags, check_engine_flags, engine_overrides
+from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS
 
 _DESCRIPTION = (
     "The engine and tuning options (--cuda-graphs, --compile, --fuse-projections, --graph-rounds, ...) "
@@ -136,6 +137,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=FRSPEC_VOCAB,
         help="tokens the -frspec decoders' draft output layer scores, best-ranked first (token id order)",
+    )
+    p.add_argument(
+        "--lookahead",
+        default=f"{DEFAULT_LOOKAHEAD},{DEFAULT_LOOKAHEAD_LEVELS}",
+        metavar="WIDTH,LEVELS",
+        help="window of the -lookahead decoders: guesses a row, rows (NgramConfig.lookahead / lookahead_levels)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
@@ -260,6 +267,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--dynamic-tree", args.dynamic_tree]
     if args.frspec_vocab != FRSPEC_VOCAB:
         parts += ["--frspec-vocab", str(args.frspec_vocab)]
+    if args.lookahead != f"{DEFAULT_LOOKAHEAD},{DEFAULT_LOOKAHEAD_LEVELS}":
+        parts += ["--lookahead", args.lookahead]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -322,7 +331,17 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         pack_weights=args.pack_weights,
         draft_quantize=args.draft_quantize,
         frspec_vocab=args.frspec_vocab,
+        lookahead=_lookahead(args.lookahead),
     )
+
+
+def _lookahead(text: str) -> tuple[int, int]:
+    """``"width,levels"`` -> ints (checked by NgramConfig when the decoders are built)."""
+    try:
+        width, levels = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--lookahead wants WIDTH,LEVELS (two integers), got {text!r}") from None
+    return width, levels
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

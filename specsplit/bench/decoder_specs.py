@@ -41,6 +41,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "workers": (None, "process", "thread"),
     "draft_placement": ("same", "overlap-device"),
     "drafter": DRAFTERS,
+    "lookahead": ("", "adaptive", "always"),
 }
 
 
@@ -81,6 +82,8 @@ class DecoderSpec:
             memory (``specsplit serve target --tree-ipc``); off, trees travel in replies.
         draft_vocab: the draft's output layer scores only the ``--frspec-vocab`` best-ranked tokens
             (``DraftConfig.vocab_subset``, FR-Spec).
+        lookahead: n-gram rounds carry a lookahead window (``NgramConfig.lookahead``, the run's
+            ``--lookahead`` width) under its ``"adaptive"`` or ``"always"`` policy; ``""``: none.
     """
 
     name: str
@@ -101,6 +104,7 @@ class DecoderSpec:
     grpc_streams: bool | None = None
     tree_ipc: bool = True
     draft_vocab: bool = False
+    lookahead: str = ""
 
     def __post_init__(self) -> None:
         for field_name, allowed in _CHOICES.items():
@@ -143,6 +147,8 @@ _NGRAM = "SpecSplit local, n-gram trees from the prompt and output (no draft mod
 _SUFFIX = "SpecSplit local, n-gram trees from the prompt, output and earlier generations (no draft model)"
 _HYBRID = "SpecSplit local, {tree} with n-gram nodes merged in"
 _AUTO = "SpecSplit local, the cost model's choice each round (none, n-gram, {tree} or both)"
+_LOOKAHEAD = "n-gram rounds with a lookahead window of {lookahead}"
+_ALWAYS = "in every n-gram round"
 _FRSPEC = "draft output layer over the {vocab} best-ranked tokens (FR-Spec)"
 
 # In run order: results list decoders in this order. The default set first, then the optional ones:
@@ -215,6 +221,16 @@ _TABLE = (
                 compile=True),
     DecoderSpec("specsplit-auto", _AUTO, tree="dynamic", drafter="auto"),
     DecoderSpec("specsplit-auto-compiled", f"{_AUTO}, {_COMPILED}", tree="dynamic", drafter="auto", compile=True),
+    # n-gram drafting with lookahead (NgramConfig.lookahead): a Jacobi window in every lookahead round,
+    # its outputs an n-gram pool; adaptive: timed against the planner's rounds, always: every round.
+    DecoderSpec("specsplit-lookahead", f"{_NGRAM}, {_LOOKAHEAD}", drafter="ngram", lookahead="adaptive"),
+    DecoderSpec("specsplit-lookahead-compiled", f"{_NGRAM}, {_LOOKAHEAD}, {_COMPILED}", drafter="ngram",
+                lookahead="adaptive", compile=True),
+    DecoderSpec("specsplit-lookahead-always-compiled", f"{_NGRAM}, {_LOOKAHEAD} {_ALWAYS}, {_COMPILED}",
+                drafter="ngram", lookahead="always", compile=True),
+    # auto with lookahead: what `specsplit generate` runs on a GPU
+    DecoderSpec("specsplit-auto-lookahead-compiled", f"{_AUTO}, {_LOOKAHEAD}, {_COMPILED}", tree="dynamic",
+                drafter="auto", lookahead="adaptive", compile=True),
     # auto with the chain of K as the model's tree: on a CPU a verification grows with its nodes, and
     # a chain of 4 costs about one row there (packed weights) where a 24-node tree does not.
     DecoderSpec("specsplit-auto-chain", _AUTO, tree="chain", drafter="auto"),

@@ -32,7 +32,14 @@ from specsplit.bench.decoder_specs import (
     Workers,
 )
 from specsplit.bench.models import BenchModels, load_models, tiny_models
-from specsplit.config import EngineTuning, PipelineTuning, TreeConfig
+from specsplit.config import (
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_LOOKAHEAD_LEVELS,
+    EngineTuning,
+    NgramConfig,
+    PipelineTuning,
+    TreeConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +227,7 @@ class BuildOptions:
         dynamic_tree: ``(topk, width, budget, depth)`` of the dynamic tree (default
             :class:`TreeConfig`'s).
         frspec_vocab: tokens the ``-frspec`` decoders' draft output layer scores.
+        lookahead: ``(width, levels)`` of the ``-lookahead`` decoders' window.
     """
 
     k: int = 4
@@ -231,6 +239,7 @@ class BuildOptions:
     grpc_workers: Workers = "process"
     dynamic_tree: tuple[int, int, int, int] | None = None
     frspec_vocab: int = FRSPEC_VOCAB
+    lookahead: tuple[int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS)
 
 
 @dataclass
@@ -277,7 +286,9 @@ def _plan(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: bool) -> 
         compile=opts.compile or spec.compile,
         draft_tuning=dataclasses.replace(target_tuning, graph_rounds=rounds),
         target_tuning=target_tuning,
-        pipeline=dataclasses.replace(opts.pipeline, grpc_streams=streams, sync_timing=sync),
+        pipeline=dataclasses.replace(
+            opts.pipeline, grpc_streams=streams, sync_timing=sync, ngram=_ngram_settings(opts, spec)
+        ),
         tree=_trees(opts)[spec.tree],
         draft=draft,
         draft_device=(m.overlap_draft_device or m.draft_device) if on_overlap_device else m.draft_device,
@@ -286,10 +297,27 @@ def _plan(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: bool) -> 
     )
 
 
+def _ngram_settings(opts: BuildOptions, spec: DecoderSpec) -> NgramConfig:
+    """The run's n-gram settings, with the spec's lookahead window (the run's width) or none."""
+    ngram = opts.pipeline.ngram
+    if not spec.lookahead:
+        return dataclasses.replace(ngram, lookahead=0)
+    width, levels = opts.lookahead
+    return dataclasses.replace(
+        ngram, lookahead=width, lookahead_levels=levels, lookahead_policy=spec.lookahead
+    )
+
+
+def _lookahead_words(opts: BuildOptions) -> str:
+    width, levels = opts.lookahead
+    return f"{levels} rows of {width}"
+
+
 def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | None) -> str:
     """The spec's label filled in, plus the words the run's flags add to a SpecSplit decoder."""
     tree = plan.tree if plan is not None else _trees(opts)[spec.tree]
     text = spec.label.format(k=opts.k, lookup=PROMPT_LOOKUP_TOKENS, vocab=opts.frspec_vocab,
+                             lookahead=_lookahead_words(opts),
                              tree=_tree_words(tree), device=m.device,
                              draft_device=plan.draft_device if plan is not None else m.draft_device)  # fmt: skip
     if plan is None:

@@ -50,7 +50,7 @@ from specsplit.bench.report import (
     write_plot,
 )
 from specsplit.bench.roofline import copy_bandwidth, weight_read_bound
-from specsplit.config import EngineTuning, PipelineTuning
+from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, EngineTuning, PipelineTuning
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class BenchOptions:
     draft_quantize: str = "auto"  # ... an int8 draft copy ("auto": on a CPU where the int8 kernel pays)
     dynamic_tree: tuple[int, int, int, int] | None = None  # (topk, width, budget, depth) of dynamic trees
     frspec_vocab: int = FRSPEC_VOCAB  # tokens the -frspec decoders' draft output layer scores
+    lookahead: tuple[int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS)  # -lookahead decoders' window
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
@@ -139,7 +140,7 @@ class BenchOptions:
             k=self.num_draft_tokens, chain_confidence=self.chain_confidence, cuda_graphs=self.cuda_graphs,
             compile=self.compile,
             tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
-            dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab,
+            dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab, lookahead=self.lookahead,
         )  # fmt: skip
 
 
@@ -441,6 +442,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "chain_confidence": opts.chain_confidence,
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "frspec_vocab": opts.frspec_vocab,
+            "lookahead": list(opts.lookahead),
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
             "grpc_workers": opts.grpc_workers,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specsplit.errors import ConfigError
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -74,10 +76,36 @@ def draft_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
-    """``--drafter``: what drafts each round (``SpecSplitConfig.drafter``)."""
+    """``--drafter``: what drafts each round (``SpecSplitConfig.drafter``); ``--lookahead``: the
+    n-gram drafters' lookahead window (``NgramConfig.lookahead``)."""
     p.add_argument(
         "--drafter", choices=("model", "ngram", "suffix", "hybrid", "auto"), default=None, help=help
     )
+    p.add_argument(
+        "--lookahead",
+        default=None,
+        metavar="WIDTH[,LEVELS]",
+        help="n-gram rounds carry a lookahead window of LEVELS rows (default 3) of WIDTH guesses whose "
+        "outputs propose n-grams the target wrote itself; pays on a GPU with --cuda-graphs (try 7), "
+        "not on a CPU (default: 0, off)",
+    )
+
+
+def lookahead_overrides(text: str | None) -> dict[str, Any]:
+    """``--lookahead WIDTH[,LEVELS]`` as :class:`~specsplit.config.NgramConfig` fields (none when unset).
+
+    Raises:
+        ConfigError: not one or two integers.
+    """
+    if text is None:
+        return {}
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        raise ConfigError(f"--lookahead wants WIDTH or WIDTH,LEVELS (integers), got {text!r}")
+    return {"lookahead": parts[0]} | ({"lookahead_levels": parts[1]} if len(parts) == 2 else {})
 
 
 def add_tuning_flags(p: argparse.ArgumentParser, pipeline: bool = False) -> None:

@@ -19,6 +19,7 @@ from specsplit.cli.common import (
     check_engine_flags,
     draft_overrides,
     engine_overrides,
+    lookahead_overrides,
 )
 
 
@@ -102,6 +103,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         cfg.drafter = DEFAULT_DRAFTER
     if not args.config and default_tree_applies() and args.tree in (None, "chain"):
         cfg.tree = dataclasses.replace(DEFAULT_TREE)
+    if args.lookahead is not None:
+        cfg.tuning.ngram = dataclasses.replace(cfg.tuning.ngram, **lookahead_overrides(args.lookahead))
     if args.tree:
         cfg.tree.shape = args.tree
     if args.num_draft_tokens is not None:

@@ -28,6 +28,7 @@ from specsplit.cli.common import (
     check_engine_flags,
     draft_overrides,
     engine_overrides,
+    lookahead_overrides,
 )
 
 if TYPE_CHECKING:
@@ -313,7 +314,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from specsplit.config import BATCH_LIMIT, DraftConfig, TargetConfig
+    from specsplit.config import BATCH_LIMIT, DraftConfig, NgramConfig, TargetConfig
     from specsplit.errors import ConfigError
     from specsplit.remote.admission import AdmissionLimits
     from specsplit.remote.server import ServerLimits
@@ -344,10 +345,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         or args.grpc_streams is not None
         or args.draft_timeout is not None
         or args.drafter is not None
+        or args.lookahead is not None
     ):
         raise ConfigError(
-            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter "
-            "and --[no-]grpc-streams are target options"
+            "--draft-address, --draft-auth-token-file, --draft-tls-ca, --draft-timeout, --drafter, "
+            "--lookahead and --[no-]grpc-streams are target options"
         )
     if args.role == "target" and draft_overrides(args):
         raise ConfigError("--draft-quantize, --draft-vocab and --draft-vocab-ranking are draft options")
@@ -355,6 +357,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--draft-timeout must be > 0, got {args.draft_timeout}")
     if args.drafter is not None:
         draft_peer["drafter"] = args.drafter
+    if args.lookahead is not None:
+        draft_peer["ngram"] = NgramConfig(**lookahead_overrides(args.lookahead))
     if args.max_batch:
         if not 0 <= args.max_batch <= BATCH_LIMIT or args.batch_capacity < 16:
             raise ConfigError(f"--max-batch must be in 0..{BATCH_LIMIT} and --batch-capacity >= 16")

@@ -534,6 +534,7 @@ def propose_from(
     budget: int = 16,
     max_depth: int = 8,
     scoring: Scoring | None = None,
+    extra: Sequence[Continuation] = (),
 ) -> Proposal:
     """Proposes a draft tree from a session's own index and, optionally, a cross-request cache.
 
@@ -547,6 +548,7 @@ def propose_from(
         budget: Most nodes in the proposal.
         max_depth: Deepest node.
         scoring: Weights and priors (default :class:`Scoring()`).
+        extra: more continuations of the context (a lookahead pool's), scored like the session's.
 
     Returns:
         The proposal (empty when nothing matched).
@@ -556,6 +558,7 @@ def propose_from(
     conts = index.lookup(max_depth, backoff=backoff)
     if cache is not None:
         conts += cache.lookup(index.tokens[-cache.max_n :], max_depth, backoff=backoff)
+    conts += extra
     if not conts:
         return Proposal.empty()
     best = max(c.n for c in conts)

@@ -37,24 +37,34 @@ class VerifyOutcome:
     next_token: torch.Tensor  # [] int64
     extra_host: list[int] = field(default_factory=list)  # values read with to_host(extra=...)
     guard: torch.Tensor | None = None  # `[1]` int64 flag the deciding transform asks to read
+    # `[N + 1]` int64 the target's token after row 0 and after each node (its argmax, or its
+    # position-keyed draw under sampling); None where verification drew from ``q`` instead
+    choice: torch.Tensor | None = None
+    choices_host: list[int] | None = None  # :attr:`choice` as read with to_host(choices=True)
 
     def to_host(
-        self, token_ids: torch.Tensor, extra: torch.Tensor | None = None
+        self, token_ids: torch.Tensor, extra: torch.Tensor | None = None, choices: bool = False
     ) -> tuple[list[int], list[int], int]:
         """``(accepted node indices, accepted token ids, next token id)`` in ONE device-to-host copy.
 
         Args:
             token_ids: `[N]` the tree's tokens (to return the accepted ones without a second sync).
             extra: `[k]` int64 values to read in the same copy; they land in :attr:`extra_host`.
+            choices: also read :attr:`choice` (when set) in the same copy, into :attr:`choices_host`.
         """
         d = self.path.shape[0]
         toks = token_ids[self.path.clamp_min(0)] if token_ids.numel() else self.path
         parts = [self.num_accepted.view(1), self.next_token.view(1), self.path, toks.to(self.path.device)]
+        c = self.choice.shape[0] if choices and self.choice is not None else 0
+        if c:
+            assert self.choice is not None
+            parts.append(self.choice.to(self.path.device))
         if extra is not None:
             parts.append(extra.to(self.path.device))
         packed = torch.cat(parts).tolist()
         m, nxt = int(packed[0]), int(packed[1])
-        self.extra_host = packed[2 + 2 * d :]
+        self.choices_host = packed[2 + 2 * d : 2 + 2 * d + c] if c else None
+        self.extra_host = packed[2 + 2 * d + c :]
         return packed[2 : 2 + m], packed[2 + d : 2 + d + m], nxt
 
     def min_margin_below(self, logits: torch.Tensor, margin: float) -> torch.Tensor:
@@ -180,7 +190,7 @@ def accept_matching(choice: torch.Tensor, tree: TokenTree, max_depth: int) -> Ve
         first = first.scatter_reduce(0, tree.parents + 1, cand, reduce="amin")
         accepted_child = torch.where(first < n, first, -1)
     path, count, row = _follow_path(accepted_child, max_depth)
-    return VerifyOutcome(path, count, choice.index_select(0, row.view(1)).view(()))
+    return VerifyOutcome(path, count, choice.index_select(0, row.view(1)).view(()), choice=choice)
 
 
 def _dense_q(tree: TokenTree, nodes: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -56,6 +56,8 @@ class RoundPlan:
         expected: predicted tokens committed.
         seconds: predicted round time.
         probe: chosen to measure an arm, not because it looked best.
+        lookahead: a lookahead round (n-gram nodes and a Jacobi window; chosen by the lookahead
+            A/B policy, not by the planner).
     """
 
     model: bool
@@ -63,9 +65,12 @@ class RoundPlan:
     expected: float = 1.0
     seconds: float = 0.0
     probe: bool = False
+    lookahead: bool = False
 
     @property
     def arm(self) -> str:
+        if self.lookahead:
+            return "lookahead"
         if self.model:
             return "hybrid" if self.ngram_size else "model"
         return "ngram" if self.ngram_size else "none"

@@ -13,6 +13,10 @@ transport). The drafters here run on the host, beside the round loop:
   repetitive and agentic workloads.
 - ``hybrid``: n-gram candidates merged into the model's tree (:func:`merge_trees`) under one
   node budget, verified by one target forward.
+- lookahead (``NgramConfig.lookahead``, with any of the n-gram modes): every n-gram round also
+  carries a Jacobi window whose outputs fill a pool of n-grams the target wrote itself
+  (:mod:`specsplit.core.lookahead`, :func:`lookahead_tree`); an A/B policy keeps it only while its
+  rounds commit tokens faster than the planner's.
 
 Every tree here is deterministic: ``q`` is one-hot on each node's token, so verification stays
 lossless under sampling (recursive rejection sampling accepts any tree whose ``q`` is exact).
@@ -30,8 +34,10 @@ from typing import Protocol
 import torch
 
 from specsplit.config import NgramConfig
+from specsplit.core.lookahead import LookaheadWindow
 from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
 from specsplit.core.tree import TokenTree
+from specsplit.engines.ab_policy import OverlapPolicy
 
 # Node counts an n-gram tree is padded to for a target on the CUDA-graph path (one graph each, and one
 # compile each under torch.compile): doubling sizes keep the padding below half a tree.
@@ -86,6 +92,18 @@ class NgramDrafter:
         self._cache: SuffixCache | None = None
         self._suffix = suffix
         self._lock = threading.Lock()
+        # Lookahead rounds against the planner's, measured like overlap's speculation: kept across
+        # generations, greedy and sampling apart (their rounds commit differently).
+        self._lookahead: dict[bool, OverlapPolicy] = {}
+
+    def lookahead_policy(self, do_sample: bool) -> OverlapPolicy:
+        """Whether this round is a lookahead round (``speculate()``), and the rounds' record."""
+        with self._lock:
+            policy = self._lookahead.get(do_sample)
+            if policy is None:
+                always = self.settings.lookahead_policy == "always"
+                policy = self._lookahead[do_sample] = OverlapPolicy(always=always, probe=8)
+            return policy
 
     @property
     def cache(self) -> SuffixCache | None:
@@ -103,27 +121,36 @@ class NgramDrafter:
         with self._lock:
             self._cache = None
 
-    def session(self, prompt: list[int]) -> NgramSession:
-        """A session's index over ``prompt`` (extended with every committed token)."""
-        return NgramSession(self, prompt)
+    def session(self, prompt: list[int], lookahead: int = 0) -> NgramSession:
+        """A session's index over ``prompt`` (extended with every committed token), with a
+        lookahead window ``lookahead`` guesses wide (0: none)."""
+        return NgramSession(self, prompt, lookahead)
 
 
 class NgramSession:
-    """The n-gram index of one generation."""
+    """The n-gram index of one generation, and its lookahead window (``lookahead`` guesses wide; 0: none)."""
 
-    def __init__(self, drafter: NgramDrafter, prompt: list[int]):
+    def __init__(self, drafter: NgramDrafter, prompt: list[int], lookahead: int = 0):
         s = drafter.settings
         self.drafter = drafter
         self.index = NgramIndex(s.min_n, s.max_n, s.max_matches, prompt)
+        self.window = (
+            LookaheadWindow(lookahead, s.lookahead_levels, s.lookahead_pool, prompt) if lookahead else None
+        )
 
     def extend(self, tokens: list[int]) -> None:
         """Index tokens just committed."""
         self.index.extend(tokens)
 
-    def propose(self) -> Proposal:
-        """The best tree the indexes suggest for the committed context (empty when nothing matched)."""
+    def propose(self, lookahead: bool = False) -> Proposal:
+        """The best tree the indexes suggest for the committed context (empty when nothing matched);
+        with ``lookahead``, the window's pool adds its n-grams after the context's last token."""
         s = self.drafter.settings
-        return propose_from(self.index, self.drafter.cache, s.max_nodes, s.max_depth, self.drafter.scoring)
+        extra = []
+        if lookahead and self.window is not None:
+            extra = self.window.continuations(self.index.tokens[-1], s.lookahead_pool)
+        budget = s.lookahead_nodes if lookahead else s.max_nodes
+        return propose_from(self.index, self.drafter.cache, budget, s.max_depth, self.drafter.scoring, extra)
 
     def finish(self) -> None:
         """Offer the whole sequence to the suffix cache (``suffix`` drafting)."""
@@ -153,6 +180,23 @@ def proposal_tree(
     tokens = top.token_ids + [top.token_ids[0] if top.token_ids else 0] * pad
     parents = top.parents + [-1] * pad
     depths = top.depths + [1] * pad
+    tree = _host_tree(tokens, parents, depths, top.max_branch, top.max_depth, depth_bound, fixed_bounds)
+    return tree, top.scores + [0.0] * pad
+
+
+def _host_tree(
+    tokens: list[int],
+    parents: list[int],
+    depths: list[int],
+    branch: int,
+    deepest: int,
+    depth_bound: int,
+    fixed_bounds: bool,
+) -> TokenTree:
+    """A host tree of these nodes, with bounds that depend on its size only (``fixed_bounds``: one
+    graph per size) or its exact ones (``branch``: most children of a node, the roots aside;
+    ``deepest``: its deepest node)."""
+    size = len(tokens)
     z = torch.tensor
     tree = TokenTree(
         z(tokens, dtype=torch.long),
@@ -161,11 +205,37 @@ def proposal_tree(
         torch.zeros(size, dtype=torch.float32),
     )
     if fixed_bounds:  # a tree of `size` nodes is at most `size` deep: the walk of its path stays short
-        tree.max_branch, tree.depth_bound = size, min(max(depth_bound, top.max_depth), size)
+        tree.max_branch, tree.depth_bound = size, min(max(depth_bound, deepest), size)
     else:
         roots = sum(1 for p in parents if p < 0)
-        tree.max_branch, tree.depth_bound = max(top.max_branch, roots), max(top.max_depth, 1 if size else 0)
-    return tree, top.scores + [0.0] * pad
+        tree.max_branch, tree.depth_bound = max(branch, roots), max(deepest, 1 if size else 0)
+    return tree
+
+
+def lookahead_tree(
+    proposal: Proposal, window: LookaheadWindow, size: int, depth_bound: int, fixed_bounds: bool
+) -> tuple[TokenTree, int]:
+    """A lookahead round's tree: the proposal's best nodes, the window's, padding up to ``size``.
+
+    Args:
+        proposal: the round's n-gram candidates (prompt matches and pool n-grams).
+        window: the generation's lookahead window (its nodes follow the proposal's).
+        size: nodes of the tree (at least the window's).
+        depth_bound / fixed_bounds: as :func:`proposal_tree`.
+
+    Returns:
+        ``(tree, offset)``: ``offset`` is the index of the window's first node.
+    """
+    top = proposal.top(size - window.num_nodes)
+    w_tokens, w_parents, w_depths = window.nodes()
+    off = top.num_nodes
+    pad = size - off - window.num_nodes
+    tokens = top.token_ids + w_tokens + [w_tokens[0]] * pad
+    parents = top.parents + [p + off if p >= 0 else -1 for p in w_parents] + [-1] * pad
+    depths = top.depths + w_depths + [1] * pad
+    # a window node has at most two children (the next guess of its row, its column's next row)
+    branch, deepest = max(top.max_branch, 2), max(top.max_depth, window.depth)
+    return _host_tree(tokens, parents, depths, branch, deepest, depth_bound, fixed_bounds), off
 
 
 def merge_trees(model: TokenTree, extra: TokenTree) -> TokenTree:

@@ -212,6 +212,7 @@ class TargetEngine(EngineBase[KVCacheState]):
                     req.seed,
                     stats,
                     (req.return_scores, req.return_logits),
+                    req.return_choices,
                 )
             self._settle_kv(session_id, state.cache, state.static)
         finally:

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 class Verifier(Protocol):
     """One round of verification for a session whose lock the caller holds.
 
-    ``returns``: (processed scores, raw logits) of the deciding rows wanted in the result."""
+    ``returns``: (processed scores, raw logits) of the deciding rows wanted in the result;
+    ``choices``: the target's token after every row (``VerifyResult.choices``), read in the same sync."""
 
     def verify(
         self,
@@ -66,6 +67,7 @@ class Verifier(Protocol):
         seed: int | None,
         stats: WorkerStats,
         returns: tuple[bool, bool] = (False, False),
+        choices: bool = False,
     ) -> VerifyResult: ...
 
 
@@ -118,8 +120,11 @@ def decide_to_host(
     max_branch: int,
     guard: torch.Tensor | None = None,
     exact_logits: Callable[[], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, tuple[list[int], list[int], int]]:
-    """:func:`decide` and its ONE host read: ``(the logits decided on, (nodes, tokens, next token))``.
+    choices: bool = False,
+) -> tuple[torch.Tensor, tuple[list[int], list[int], int], list[int] | None]:
+    """:func:`decide` and its ONE host read: ``(the logits decided on, (nodes, tokens, next token),
+    the target's token after every row or None)`` (the last only with ``choices``, and only where
+    the tree is deterministic: a tree drawn from ``q`` is verified by rejection sampling instead).
 
     With the fast sampling transform its tie-overflow flag (and ``guard``, the same kind of flag
     of whatever produced ``logits``) rides on that read; when set (more tokens tie the k-th logit
@@ -130,14 +135,15 @@ def decide_to_host(
     outcome = decide(logits, tree, sampling, seed, position, max_depth, max_branch)
     flags = [f for f in (outcome.guard, guard) if f is not None]
     if not flags:
-        return logits, outcome.to_host(tree.token_ids)
-    host = outcome.to_host(tree.token_ids, extra=torch.cat(flags).amax().view(1))
+        host = outcome.to_host(tree.token_ids, choices=choices)
+        return logits, host, outcome.choices_host
+    host = outcome.to_host(tree.token_ids, extra=torch.cat(flags).amax().view(1), choices=choices)
     if outcome.extra_host[0]:
         if exact_logits is not None:
             logits = exact_logits()
         outcome = decide(logits, tree, sampling, seed, position, max_depth, max_branch, exact_probs=True)
-        host = outcome.to_host(tree.token_ids)
-    return logits, host
+        host = outcome.to_host(tree.token_ids, choices=choices)
+    return logits, host, outcome.choices_host
 
 
 def _decide_sampled(
@@ -205,6 +211,7 @@ class FullVerifier:
         seed: int | None,
         stats: WorkerStats,
         returns: tuple[bool, bool] = (False, False),
+        choices: bool = False,
     ) -> VerifyResult:
         eng = self.engine
         cache = state.cache
@@ -222,7 +229,7 @@ class FullVerifier:
             and (proc is None or proc.graph_key is not None)
             and not any(returns)
         ):
-            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats, proc)
+            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats, proc, choices)
         # Per-depth processors group rows on the host (for a device tree, a read of its depths).
         host_depths = tree.depths.tolist() if proc is not None and proc.needs_depths else []
         tree = tree.to(eng.device)
@@ -245,8 +252,8 @@ class FullVerifier:
             guard = proc.overflow()
             exact = functools.partial(proc.scores, logits, tree, host_depths, ctx_len, exact=True)
             sampling = SamplingParams(do_sample=sampling.do_sample)  # the warpers ran as processors
-        scores, (nodes, tokens, next_token) = decide_to_host(  # the round's one host sync
-            scores, tree, sampling, seed, length + p, max_depth, max_branch, guard, exact
+        scores, (nodes, tokens, next_token), chosen = decide_to_host(  # the round's one host sync
+            scores, tree, sampling, seed, length + p, max_depth, max_branch, guard, exact, choices
         )
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += p + n
@@ -255,6 +262,7 @@ class FullVerifier:
         if proc is not None:
             proc.commit(ctx_len, tokens)
         result = _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
+        result.choices = chosen
         if any(returns):
             rows = h2d(torch.tensor([0] + [i + 1 for i in nodes], dtype=torch.long), scores.device)
             if returns[0]:
@@ -273,6 +281,7 @@ class FullVerifier:
         max_depth: int,
         stats: WorkerStats,
         proc: TreeProcessors | None = None,
+        choices: bool = False,
     ) -> VerifyResult:
         """A greedy round (mask, forward, processors with a graph key, acceptance, KV commit)
         replayed as one graph (``TargetConfig.graph_rounds``); the same tensor functions as the
@@ -296,12 +305,13 @@ class FullVerifier:
         if proc is not None:
             ctx_len = proc.begin(length, pending)
             device_args = (proc.presence(eng.runner.vocab_size, ctx_len),)
-        path, count, nxt = rnd(
+        path, count, nxt, choice = rnd(
             pending[0], tree.token_ids, tree.parents, tree.depths, length, device_args=device_args
         )
         if rnd.graph is not None:  # a replay (after a capture that ran the body 3 times): one forward
             eng.runner.forward_count = forwards + 1
-        nodes, tokens, next_token = VerifyOutcome(path, count, nxt).to_host(rnd.inputs[1])  # the one sync
+        outcome = VerifyOutcome(path, count, nxt, choice=choice)
+        nodes, tokens, next_token = outcome.to_host(rnd.inputs[1], choices=choices)  # the one sync
         m = len(nodes)
         cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one
         if proc is not None:
@@ -309,7 +319,9 @@ class FullVerifier:
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += 1 + n
         stats.forwards += 1
-        return _result(tokens, next_token, nodes, length + 1 + m, max_depth, n)
+        result = _result(tokens, next_token, nodes, length + 1 + m, max_depth, n)
+        result.choices = outcome.choices_host
+        return result
 
     def _build_round(
         self,
@@ -333,7 +345,7 @@ class FullVerifier:
             dep: torch.Tensor,
             ctx: torch.Tensor,
             *present: torch.Tensor,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             pos, block = one_pending_layout(par, dep, ctx)
             logits = static.forward_at(buf, torch.cat([pend, tok]), pos, ctx, block)
             tree = TokenTree(tok, par, dep, torch.zeros(n, device=dev))
@@ -342,7 +354,8 @@ class FullVerifier:
             outcome = verify_greedy(logits, tree, max_depth, max_branch)
             if max_depth:  # the accepted nodes' slots follow the pending token's (padding: beyond)
                 cache.move_slots(ctx + 1 + outcome.path.clamp_min(0), ctx + 1 + steps)
-            return outcome.path, outcome.num_accepted, outcome.next_token
+            assert outcome.choice is not None  # greedy: the rows' argmax
+            return outcome.path, outcome.num_accepted, outcome.next_token, outcome.choice
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)
         ctx = torch.zeros((), dtype=torch.long)
@@ -377,6 +390,7 @@ class SpecPVVerifier:
         seed: int | None,
         stats: WorkerStats,
         returns: tuple[bool, bool] = (False, False),
+        choices: bool = False,
     ) -> VerifyResult:
         if state.processors is not None or any(returns):
             raise ConfigError("SpecPV verification does not apply logits processors or return scores")
@@ -393,16 +407,18 @@ class SpecPVVerifier:
         if step.partial and margin > 0 and not sampling.do_sample:
             # Near-tie guard: the flag rides on the round's one host read.
             flag = outcome.min_margin_below(step.logits, margin)
-            nodes, tokens, next_token = outcome.to_host(tree.token_ids, extra=flag)
+            nodes, tokens, next_token = outcome.to_host(tree.token_ids, extra=flag, choices=choices)
             if outcome.extra_host[0]:
                 step = self.policy.rectify(state, step, pending, tree)
                 outcome = verify_greedy(step.logits, tree, max_depth, max_branch)
-                nodes, tokens, next_token = outcome.to_host(tree.token_ids)
-        else:
-            nodes, tokens, next_token = outcome.to_host(tree.token_ids)  # the round's one host sync
+                nodes, tokens, next_token = outcome.to_host(tree.token_ids, choices=choices)
+        else:  # the round's one host sync
+            nodes, tokens, next_token = outcome.to_host(tree.token_ids, choices=choices)
         stats.model_time_s += time.perf_counter() - t
         stats.tokens_processed += len(step.fed) + n
         stats.forwards += 1
         stats.verify_mode = "partial" if step.partial else "full"
         prefix = self.policy.commit(state, step, nodes, tokens)
-        return _result(tokens, next_token, nodes, prefix, max_depth, n)
+        result = _result(tokens, next_token, nodes, prefix, max_depth, n)
+        result.choices = outcome.choices_host
+        return result

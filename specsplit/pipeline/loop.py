@@ -30,7 +30,15 @@ from typing import TypeVar
 from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
 from specsplit.engines.cost_model import CostModel, RoundPlan
-from specsplit.engines.drafters import NgramDrafter, NgramSession, merge_trees, proposal_tree
+from specsplit.engines.drafters import (
+    TREE_SIZES,
+    NgramDrafter,
+    NgramSession,
+    lookahead_tree,
+    merge_trees,
+    proposal_tree,
+    tree_size,
+)
 from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, TransportError
 from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult
 from specsplit.pipeline.on_target import decode_on_target
@@ -164,17 +172,28 @@ class _Generation:
         extra = params.tree.depth_limit + 1 if overlap else 0  # a speculative extension's tokens
         self.ngram: NgramSession | None = None
         max_ngram = 0
+        self.lookahead_size = 0  # nodes of a lookahead round's tree (0: no lookahead)
+        self.lookahead: OverlapPolicy | None = None  # lookahead rounds or the planner's
         if self.mode != "model":  # an n-gram index of the committed tokens
             drafter = params.ngram or NgramDrafter(suffix=self.mode in ("suffix", "auto"))
-            self.ngram = drafter.session(prompt)
+            self.ngram = drafter.session(prompt, drafter.settings.lookahead)
             max_ngram = drafter.settings.max_nodes
-        self.capacity = len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra + max_ngram + 8
+            if self.ngram.window is not None:
+                self.lookahead = drafter.lookahead_policy(params.sampling.do_sample)
+                wanted = drafter.settings.lookahead_nodes + self.ngram.window.num_nodes
+                padded = params.cost.padded if params.cost is not None else True
+                self.lookahead_size = tree_size(wanted, TREE_SIZES + (wanted,)) if padded else wanted
+        self.capacity = (
+            len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra
+            + max(max_ngram, self.lookahead_size) + 8
+        )  # fmt: skip
         self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
         if transport.has_draft:
             self.cost.new_generation(params.tree.depth_limit + 1)
         self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
         self.ngram_scores: list[float] = []
         self.ngram_offset = 0  # index of the first n-gram node in the round's tree
+        self.window_offset = -1  # index of the lookahead window's first node (-1: not in this round)
         self.use_draft = transport.has_draft
         self.pending_len = 0  # pending tokens of the round being verified
         self.draft_prefix, self.draft_new = 0, list(prompt)  # what the draft holds / has not seen
@@ -190,12 +209,15 @@ class _Generation:
     def draft(self, remaining: int) -> tuple[TokenTree, DraftResult | None]:
         """This round's tree: as planned (a model draft, an n-gram tree, both merged, or none: a
         plain target step), or the one drafted speculatively if it held."""
+        self.window_offset = -1
         if remaining <= 1 or not (self.use_draft or self.ngram is not None):
             self.plan = RoundPlan(False, 0)
             return TokenTree.empty(), None
         if self.ready is not None:
             spec, self.ready = self.ready, None
             return spec.tree, spec
+        if self.lookahead is not None and self.lookahead_size and self.lookahead.speculate():
+            return self._lookahead_round(), None
         proposal = None
         if self.ngram is None:
             self.plan = RoundPlan(model=self.use_draft, ngram_size=0)
@@ -219,6 +241,22 @@ class _Generation:
             )
             tree = merge_trees(tree, extra) if dres is not None else extra
         return tree, dres
+
+    def _lookahead_round(self) -> TokenTree:
+        """A lookahead round's tree: prompt matches and pool n-grams, and the Jacobi window."""
+        assert self.ngram is not None and self.ngram.window is not None
+        proposal = self.ngram.propose(lookahead=True)
+        s = self.ngram.drafter.settings
+        tree, self.window_offset = lookahead_tree(
+            proposal,
+            self.ngram.window,
+            self.lookahead_size,
+            s.max_depth,
+            fixed_bounds=self.cost.padded and not self.params.sampling.do_sample,
+        )
+        self.plan = RoundPlan(False, self.lookahead_size, lookahead=True)
+        self.ngram_scores, self.ngram_offset = [], 0
+        return tree
 
     def _model_draft(self, remaining: int) -> DraftResult | None:
         """The draft model's tree for this round (None when the draft became unreachable)."""
@@ -253,7 +291,7 @@ class _Generation:
         self.pending_len = len(self.pending)
         vreq = VerifyRequest(
             self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity,
-            p.processing, p.return_scores, p.return_logits,
+            p.processing, p.return_scores, p.return_logits, return_choices=self.window_offset >= 0,
         )  # fmt: skip
         spec, spec_s = None, 0.0
         if (
@@ -296,6 +334,8 @@ class _Generation:
             self.outputs.logits.extend(vres.logits[: len(kept)].unbind(0))
         if self.ngram is not None:
             self.ngram.extend(kept)
+            if self.window_offset >= 0:
+                self._learn(vres)
         self.target_prefix, self.pending = vres.prefix_length, [vres.next_token_id]
         hit = None
         finished = stopped or len(self.out) >= self.params.max_new_tokens
@@ -309,6 +349,19 @@ class _Generation:
         else:
             self.draft_new = self.draft_new + new
         return kept, stopped, hit
+
+    def _learn(self, vres: VerifyResult) -> None:
+        """A lookahead round's Jacobi step: the target's tokens after the window's nodes."""
+        assert self.ngram is not None
+        window = self.ngram.window
+        if window is None:
+            return
+        if vres.choices is None:  # a target that cannot return them (batched rounds): no lookahead
+            logger.debug("the target returned no choices; lookahead is off for this generation")
+            self.lookahead_size = 0
+            return
+        start = 1 + self.window_offset  # choices[0]: after the pending token
+        window.update(vres.choices[start : start + window.num_nodes])
 
     # ------------------------------------------------------------------ 4. record
     def record(
@@ -326,6 +379,9 @@ class _Generation:
         t3 = time.perf_counter()
         if self.pool is not None:
             self.policy.record(t3 - t0, len(kept))
+        if self.lookahead is not None and self.lookahead_size and self.pending_len == 1:
+            # (a prompt's round would time the prompt's forward)
+            self.lookahead.record(t3 - t0, len(kept))
         server = (dres.stats.busy_s if dres else 0.0) + vres.stats.busy_s
         # A tree keeps its usual depth near max_new_tokens: drafted and accepted tokens past the
         # end do not count (the same statistics as a draft cut to the tokens still wanted).
@@ -345,7 +401,9 @@ class _Generation:
             drafter=self.plan.arm if vres.num_nodes or self.plan.arm == "none" else "none",
         )
         self.stats.rounds.append(rs)
-        if self.mode != "model" and self.pending_len == 1:  # a prompt's first round is no round's cost
+        if self.mode != "model" and self.pending_len == 1 and not self.plan.lookahead:
+            # a prompt's first round is no round's cost; a lookahead round is priced by its A/B
+            # policy (its pool n-grams are scored unlike the planner's matches)
             start = self.ngram_offset
             acc = set(vres.accepted_node_indices)
             flags = [start + i in acc for i in range(len(self.ngram_scores))]

@@ -361,6 +361,7 @@ def verify_request_to_proto(r: VerifyRequest) -> pb.VerifyRequest:
         processing=processing_to_wire(r.processing),
         return_scores=r.return_scores,
         return_logits=r.return_logits,
+        return_choices=r.return_choices,
         **kwargs,
     )
 
@@ -413,6 +414,7 @@ def verify_request_from_proto(m: pb.VerifyRequest) -> VerifyRequest:
         processing=processing_from_wire(m.processing),
         return_scores=m.return_scores,
         return_logits=m.return_logits,
+        return_choices=m.return_choices,
     )
 
 
@@ -428,6 +430,7 @@ def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResponse:
         telemetry=stats_to_proto(r.stats),
         scores=_rows_to_bytes(r.scores),
         logits=_rows_to_bytes(r.logits),
+        choices=r.choices or [],
     )
 
 
@@ -443,6 +446,7 @@ def verify_result_from_proto(m: pb.VerifyResponse) -> VerifyResult:
         cache_hit=m.cache_hit,
         scores=_rows_from_bytes(m.scores, len(m.accepted_token_ids) + 1),
         logits=_rows_from_bytes(m.logits, len(m.accepted_token_ids) + 1),
+        choices=list(m.choices) or None,
     )
 
 
