@@ -176,10 +176,14 @@ def test_seeded_sampling_is_reproducible(llama_target, llama_draft_random):
     assert torch.equal(d, e)
 
 
-def _context_probs(model, sampling: SamplingParams | None) -> dict[tuple[int, ...], torch.Tensor]:
+def _context_probs(
+    model, sampling: SamplingParams | None, depth: int = 2
+) -> dict[tuple[int, ...], torch.Tensor]:
     """The model's next-token distribution (or raw logits) after the prompt and after every path of
-    one or two tokens: every context a depth-2 tree can reach."""
-    ctxs = [()] + [(a,) for a in range(V)] + [(a, b) for a in range(V) for b in range(V)]
+    up to ``depth`` tokens: every context a tree that deep can reach."""
+    ctxs: list[tuple[int, ...]] = [()]
+    for _ in range(depth):
+        ctxs += [c + (t,) for c in ctxs if len(c) == len(ctxs[-1]) for t in range(V)]
     with torch.no_grad():
         out = {}
         for c in ctxs:
@@ -188,9 +192,13 @@ def _context_probs(model, sampling: SamplingParams | None) -> dict[tuple[int, ..
     return out
 
 
-def empirical_joint_ngram(target, draft, merged: bool, runs: int = RUNS) -> torch.Tensor:
+def empirical_joint_ngram(
+    target, draft, merged: bool, runs: int = RUNS, lookahead: bool = False
+) -> torch.Tensor:
     """The same joint when each round verifies a deterministic n-gram tree (``q`` one-hot, siblings
-    that branch) — alone, or merged behind a sampled model tree (:func:`merge_trees`).
+    that branch) — alone, or merged behind a sampled model tree (:func:`merge_trees`), or with a
+    lookahead window beside it whose guesses move with the target's choices round after round
+    (:func:`~specsplit.engines.drafters.lookahead_tree`).
 
     The engines' forwards are exact (tested elsewhere) and deterministic given a tree, so the rounds
     here run the tree algorithms themselves: the model tree grows by :func:`grow_static_tree` from
@@ -200,8 +208,9 @@ def empirical_joint_ngram(target, draft, merged: bool, runs: int = RUNS) -> torc
     with a sampled part through recursive rejection sampling.
     """
     from specsplit.core.growth import PlanTensors, grow_static_tree
+    from specsplit.core.lookahead import LookaheadWindow
     from specsplit.core.ngram import Proposal
-    from specsplit.engines.drafters import merge_trees, proposal_tree
+    from specsplit.engines.drafters import lookahead_tree, merge_trees, proposal_tree
     from specsplit.engines.verifiers import decide
 
     # Three roots, two with children, one child a duplicate of another's token: a branching tree of
@@ -210,15 +219,18 @@ def empirical_joint_ngram(target, draft, merged: bool, runs: int = RUNS) -> torc
         [2, 5, 1, 4, 6, 2], [-1, -1, -1, 0, 0, 1], [1, 1, 1, 2, 2, 2], [0.5, 0.3, 0.2, 0.3, 0.2, 0.1]
     )
     extra, _ = proposal_tree(prop, 8, depth_bound=2, fixed_bounds=False)
+    window = LookaheadWindow(2, 2, 2, seed_tokens=[5, 2, 2, 7])  # a chain of 2, a row below: depth 3
     p = _context_probs(target, SAMPLING)
-    p_logits = _context_probs(target, None)
+    p_logits = _context_probs(target, None, depth=3 if lookahead else 2)
     q_logits = _context_probs(draft, None)
     plan = TREES["tree"].static_plan()
     pt = PlanTensors.build(plan, torch.device("cpu"))
     counts = torch.zeros(V, V)
     g = torch.Generator().manual_seed(4321)
     for _ in range(runs):
-        tree = extra
+        tree, offset = extra, -1
+        if lookahead:
+            tree, offset = lookahead_tree(prop, window, 12, depth_bound=2, fixed_bounds=False)
         if merged:
             tree = merge_trees(
                 grow_static_tree(q_logits[()], plan, pt, SAMPLING, V, g,
@@ -233,7 +245,10 @@ def empirical_joint_ngram(target, draft, merged: bool, runs: int = RUNS) -> torc
         branch, depth = tree.bounds()
         seed = int(torch.randint(0, 2**62, (1,), generator=g))
         out = decide(logits, tree, SAMPLING, seed, len(PROMPT), depth, branch)
-        nodes, toks, nxt = out.to_host(tree.token_ids)
+        nodes, toks, nxt = out.to_host(tree.token_ids, choices=lookahead)
+        if lookahead:  # the next round's window: this round's draws after its nodes
+            assert out.choices_host is not None
+            window.update(out.choices_host[1 + offset : 1 + offset + window.num_nodes])
         toks = toks + [nxt]
         if len(toks) < 2:
             toks.append(int(torch.multinomial(p[(toks[0],)], 1, generator=g)))
@@ -241,14 +256,18 @@ def empirical_joint_ngram(target, draft, merged: bool, runs: int = RUNS) -> torc
     return counts / runs
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["ngram-tree", "model-tree-merged-with-ngram"])
-def test_output_distribution_equals_target_with_ngram_trees(pair, merged):
+@pytest.mark.parametrize(
+    "merged, lookahead",
+    [(False, False), (True, False), (False, True)],
+    ids=["ngram-tree", "model-tree-merged-with-ngram", "ngram-tree-with-lookahead-window"],
+)
+def test_output_distribution_equals_target_with_ngram_trees(pair, merged, lookahead):
     target, draft = pair
     exact = exact_joint(target)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of tiny ops: a thread pool only adds its hand-offs
     try:
-        emp = empirical_joint_ngram(target, draft, merged)
+        emp = empirical_joint_ngram(target, draft, merged, lookahead=lookahead)
     finally:
         torch.set_num_threads(threads)
     assert tv(emp, exact) < 0.04, f"TV={tv(emp, exact):.4f}"

@@ -409,6 +409,21 @@ def test_serve_rejects_draft_peer_options_on_a_draft_worker(tmp_path: Path, caps
     assert "--draft-timeout" in capsys.readouterr().err
     assert main(["serve", "target", "--model", str(tmp_path), "--draft-timeout", "0"]) == 2
     assert "--draft-timeout must be > 0" in capsys.readouterr().err
+    assert main(["serve", "draft", "--model", str(tmp_path), "--lookahead", "7"]) == 2
+    assert "--lookahead" in capsys.readouterr().err
+    assert main(["serve", "target", "--model", str(tmp_path), "--lookahead", "7,x"]) == 2
+    assert "WIDTH or WIDTH,LEVELS" in capsys.readouterr().err
+
+
+def test_lookahead_flag_parses_width_and_levels() -> None:
+    from specsplit.cli.common import lookahead_overrides
+
+    assert lookahead_overrides(None) == {}
+    assert lookahead_overrides("7") == {"lookahead": 7}
+    assert lookahead_overrides("10,4") == {"lookahead": 10, "lookahead_levels": 4}
+    for bad in ("", "a", "1,2,3"):
+        with pytest.raises(ConfigError, match="--lookahead"):
+            lookahead_overrides(bad)
 
 
 def test_an_engine_error_mid_generation_reaches_the_client_and_the_worker_keeps_serving(

@@ -30,6 +30,10 @@ class OverlapPolicy:
     A :class:`~specsplit.generator.SpecSplitGenerator` keeps one policy per tree shape across
     ``generate()`` calls, so the probes are paid once per generator, not once per prompt; calls
     from several threads share it (``record`` takes a lock).
+
+    The same measurement decides lookahead: ``speculate()`` True means lookahead rounds, False the
+    planner's rounds (:meth:`~specsplit.engines.drafters.NgramDrafter.lookahead_policy`, one per
+    n-gram drafter and sampling mode).
     """
 
     STALL = 4.0
