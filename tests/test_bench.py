@@ -943,3 +943,30 @@ def test_client_and_batch_benches_load_the_draft_named_by_draft(monkeypatch) -> 
         main(["bench", "--concurrent-clients", "2", "--target", "/models/t", "--draft", "/models/d",
               "--decoders", "grpc-model-targetloop", "--device", "cpu"])  # fmt: skip
     assert seen == {"target": "/models/t", "draft": "/models/d", "with_draft": True}
+
+
+def test_plot_bars_are_ratios_to_our_target_only_decode_in_a_run_without_hf() -> None:
+    """A GPU run of SpecSplit decoders alone plots tokens/s over its target-only decoder (its bars were
+    empty before); a run with HF ``generate()`` keeps the speedups over HF."""
+    from specsplit.bench.report import speedup_bars
+
+    summary = {
+        "specsplit-target-only-compiled": {
+            "overall": {"tokens_per_s": {"median": 400.0}},
+            "by_category": {"chat": {"tokens_per_s": {"median": 500.0}}},
+        },
+        "specsplit-ngram-compiled": {
+            "overall": {"tokens_per_s": {"median": 600.0}},
+            "by_category": {"chat": {"tokens_per_s": {"median": 550.0}}},
+        },
+    }
+    decs, cats = list(summary), ["chat", "code", "all"]
+    label, bars = speedup_bars(summary, decs, cats)
+    assert "specsplit-target-only-compiled" in label
+    assert bars["specsplit-target-only-compiled"] == [1.0, 0.0, 1.0]
+    assert bars["specsplit-ngram-compiled"] == pytest.approx([1.1, 0.0, 1.5])
+    with_hf = {k: {s: {**v, "speedup_vs_hf_target": {"median": 2.0}} for s, v in d.items() if s == "overall"}
+               | {"by_category": {}} for k, d in summary.items()}  # fmt: skip
+    with_hf["hf-target"] = {"overall": {}, "by_category": {}}
+    label, bars = speedup_bars(with_hf, decs, ["all"])
+    assert "HF generate()" in label and bars["specsplit-ngram-compiled"] == [2.0]

@@ -492,28 +492,56 @@ def pyplot() -> Any:
     return plt
 
 
+_TARGET_ONLY = "specsplit-target-only"
+
+
+def speedup_bars(
+    summary: dict[str, Any], decs: Sequence[str], cats: Sequence[str]
+) -> tuple[str, dict[str, list[float]]]:
+    """The plot's bars: each decoder's median speedup over HF ``generate()`` per category (``"all"``:
+    overall), or, in a run without HF ``generate()``, its tokens/s over our target-only decoder's;
+    0 where there is nothing to divide. Returns ``(axis label, {decoder: values})``."""
+    base = None if "hf-target" in summary else next((d for d in decs if d.startswith(_TARGET_ONLY)), None)
+
+    def scope(d: str, c: str) -> dict[str, Any]:
+        out: dict[str, Any] = summary[d]["overall"] if c == "all" else summary[d]["by_category"].get(c, {})
+        return out
+
+    bars: dict[str, list[float]] = {}
+    for d in decs:
+        vals = []
+        for c in cats:
+            m = scope(d, c)
+            if base is None:
+                s = m.get("speedup_vs_hf_target") if m else None
+                vals.append(s["median"] if s else 0.0)
+            else:
+                b = scope(base, c).get("tokens_per_s")
+                vals.append(m["tokens_per_s"]["median"] / b["median"] if m and b and b["median"] else 0.0)
+        bars[d] = vals
+    label = "speedup over HF generate() (tokens/s ratio)" if base is None else f"tokens/s ratio to {base}"
+    return label, bars
+
+
 def write_plot(result: dict[str, Any], path: Path) -> bool:
-    """Speedup by category per decoder, and acceptance by depth; ``False`` (with a warning) without matplotlib."""
+    """Speedup by category per decoder (over HF ``generate()``, or over our target-only decode in a run
+    without it), and acceptance by depth; ``False`` (with a warning) without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
     cfg, summary = result["config"], result["summary"]
     decs = [d for d in cfg["decoders"] if d in summary and d != "hf-target"]
     cats = [c for c in cfg["categories"] if any(c in summary[d]["by_category"] for d in decs)] + ["all"]
+    label, bars = speedup_bars(summary, decs, cats)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [2.2, 1]})
     width = 0.8 / max(len(decs), 1)
     cmap = plt.get_cmap("tab10")
     for i, d in enumerate(decs):
-        vals = []
-        for c in cats:
-            m = summary[d]["overall"] if c == "all" else summary[d]["by_category"].get(c, {})
-            s = m.get("speedup_vs_hf_target") if m else None
-            vals.append(s["median"] if s else 0.0)
         xs = [j + (i - (len(decs) - 1) / 2) * width for j in range(len(cats))]
-        ax1.bar(xs, vals, width, label=d, color=cmap(i % 10))
+        ax1.bar(xs, bars[d], width, label=d, color=cmap(i % 10))
     ax1.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax1.set_xticks(range(len(cats)), cats)
-    ax1.set_ylabel("speedup over HF generate() (tokens/s ratio)")
+    ax1.set_ylabel(label)
     ax1.set_title(f"Speedup by category — {result['machine']['slug']}, {cfg['target']} / {cfg['draft']}")
     ax1.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.07))
     for i, d in enumerate(decs):
