@@ -146,6 +146,15 @@ def test_lookahead_sampling_gives_target_only_tokens_for_the_same_seed(llama_tar
     assert outs[0].spec_stats.rounds_by_drafter().get("lookahead", 0) > 0
 
 
+def test_a_lookahead_round_reads_the_device_once(llama_target, outcome_reads):
+    """The target's choices after every node ride on the round's one read of its outcome: one
+    ``VerifyOutcome.to_host`` a round, lookahead rounds included."""
+    with SpecSplitGenerator(llama_target, None, config=_config(4)) as gen:
+        out = gen.generate(torch.tensor([PROMPT]), max_new_tokens=32, return_dict_in_generate=True)
+    assert out.spec_stats.rounds_by_drafter().get("lookahead", 0) > 0
+    assert outcome_reads["n"] == len(out.spec_stats.rounds)
+
+
 def test_the_adaptive_policy_times_lookahead_rounds_against_the_planners(llama_target):
     """``lookahead_policy="adaptive"``: probes of lookahead rounds and of the planner's rounds are
     both timed (kept by the generator across calls), and either way the output is HF's."""

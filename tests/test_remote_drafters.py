@@ -75,19 +75,25 @@ def test_worker_default_drafter_serves_requests_that_name_none(target_model) -> 
 def test_lookahead_over_grpc_equals_local(target_model, loop: str) -> None:
     """Lookahead rounds over gRPC: the client loop asks the target worker for its choices after
     every node (``VerifyRequest.return_choices``); a worker running the rounds keeps its own window
-    (``specsplit serve target --lookahead``). Same tokens as local mode, and lookahead rounds ran."""
+    (``specsplit serve target --lookahead``). Same tokens, rounds and accepted counts as the same
+    lookahead generation in one process (and HF's greedy tokens)."""
     from specsplit.config import NgramConfig, PipelineTuning
 
     ngram = NgramConfig(lookahead=4, lookahead_levels=2, lookahead_policy="always")
+    tuning = PipelineTuning(ngram=ngram)
     ids = torch.tensor([[44, 3, 19, 250, 61, 62, 63, 64, 9, 3, 19]])
     kw = dict(max_new_tokens=32, return_dict_in_generate=True)
-    with SpecSplitGenerator(target_model, None, config=SpecSplitConfig(drafter="ngram")) as local:
+    hf = target_model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    with SpecSplitGenerator(
+        target_model, None, config=SpecSplitConfig(drafter="ngram", tuning=tuning)
+    ) as local:
         ref = local.generate(ids, **kw)
     with serve_target(TargetEngine(target_model), ngram=ngram) as srv:
         cfg = SpecSplitConfig(transport="grpc", target_address=srv.address, drafter="ngram", grpc_loop=loop,
-                              tuning=PipelineTuning(ngram=ngram))  # fmt: skip
+                              tuning=tuning)  # fmt: skip
         with SpecSplitGenerator(config=cfg) as gen:
             out = gen.generate(ids, **kw)
-    assert torch.equal(out.sequences, ref.sequences)
-    by = out.spec_stats.rounds_by_drafter()
-    assert by.get("lookahead", 0) > 0, by
+    assert torch.equal(ref.sequences, hf) and torch.equal(out.sequences, ref.sequences)
+    assert out.spec_stats.accepted_counts() == ref.spec_stats.accepted_counts()
+    assert out.spec_stats.rounds_by_drafter() == ref.spec_stats.rounds_by_drafter()
+    assert ref.spec_stats.rounds_by_drafter().get("lookahead", 0) > 0

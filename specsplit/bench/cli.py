@@ -33,8 +33,15 @@ from specsplit.bench.run import (
     _markdown,
     run_bench,
 )
-from specsplit.cli.common import add_engine_flags, add_tuning_flags, check_engine_flags, engine_overrides
+from specsplit.cli.common import (
+    add_engine_flags,
+    add_tuning_flags,
+    check_engine_flags,
+    engine_overrides,
+    lookahead_overrides,
+)
 from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS
+from specsplit.errors import ConfigError
 
 _DESCRIPTION = (
     "The engine and tuning options (--cuda-graphs, --compile, --fuse-projections, --graph-rounds, ...) "
@@ -141,7 +148,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lookahead",
         default=f"{DEFAULT_LOOKAHEAD},{DEFAULT_LOOKAHEAD_LEVELS}",
-        metavar="WIDTH,LEVELS",
+        metavar="WIDTH[,LEVELS]",
         help="window of the -lookahead decoders: guesses a row, rows (NgramConfig.lookahead / lookahead_levels)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -336,12 +343,13 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
 
 
 def _lookahead(text: str) -> tuple[int, int]:
-    """``"width,levels"`` -> ints (checked by NgramConfig when the decoders are built)."""
+    """``--lookahead WIDTH[,LEVELS]`` -> ``(width, levels)`` (the values are checked by NgramConfig
+    when the decoders are built)."""
     try:
-        width, levels = (int(x) for x in text.split(","))
-    except ValueError:
-        raise SystemExit(f"--lookahead wants WIDTH,LEVELS (two integers), got {text!r}") from None
-    return width, levels
+        fields = lookahead_overrides(text)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    return fields["lookahead"], fields.get("lookahead_levels", DEFAULT_LOOKAHEAD_LEVELS)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

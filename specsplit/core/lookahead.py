@@ -55,6 +55,11 @@ class LookaheadWindow:
             seed = seed + seed
         self.rows = [seed[r * width : (r + 1) * width] for r in range(levels)]
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        # the window's shape never changes, only its tokens: parents and depths are built once
+        self._parents = [c - 1 for c in range(width)] + [
+            (r - 1) * width + c for r in range(1, levels) for c in range(width)
+        ]
+        self._depths = [r + c + 1 for r in range(levels) for c in range(width)]
 
     @property
     def num_nodes(self) -> int:
@@ -69,13 +74,7 @@ class LookaheadWindow:
     def nodes(self) -> tuple[list[int], list[int], list[int]]:
         """The window as tree nodes: ``(tokens, parents, depths)``, parents indexing these nodes
         (-1: the committed context), rows in order (row 0's chain first)."""
-        w = self.width
-        tokens = [t for row in self.rows for t in row]
-        parents = [c - 1 for c in range(w)] + [
-            (r - 1) * w + c for r in range(1, self.levels) for c in range(w)
-        ]
-        depths = [r + c + 1 for r in range(self.levels) for c in range(w)]
-        return tokens, parents, depths
+        return [t for row in self.rows for t in row], self._parents, self._depths
 
     def continuations(self, last_token: int, limit: int) -> list[Continuation]:
         """The pool's continuations of ``last_token``, most recently seen first (at most ``limit``)."""

@@ -55,10 +55,10 @@ class VerifyOutcome:
         d = self.path.shape[0]
         toks = token_ids[self.path.clamp_min(0)] if token_ids.numel() else self.path
         parts = [self.num_accepted.view(1), self.next_token.view(1), self.path, toks.to(self.path.device)]
-        c = self.choice.shape[0] if choices and self.choice is not None else 0
-        if c:
-            assert self.choice is not None
-            parts.append(self.choice.to(self.path.device))
+        choice = self.choice if choices else None
+        c = 0 if choice is None else choice.shape[0]
+        if choice is not None:
+            parts.append(choice.to(self.path.device))
         if extra is not None:
             parts.append(extra.to(self.path.device))
         packed = torch.cat(parts).tolist()

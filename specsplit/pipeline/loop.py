@@ -178,16 +178,16 @@ class _Generation:
             drafter = params.ngram or NgramDrafter(suffix=self.mode in ("suffix", "auto"))
             self.ngram = drafter.session(prompt, drafter.settings.lookahead)
             max_ngram = drafter.settings.max_nodes
-            if self.ngram.window is not None:
-                self.lookahead = drafter.lookahead_policy(params.sampling.do_sample)
-                wanted = drafter.settings.lookahead_nodes + self.ngram.window.num_nodes
-                padded = params.cost.padded if params.cost is not None else True
-                self.lookahead_size = tree_size(wanted, TREE_SIZES + (wanted,)) if padded else wanted
+        self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
+        if self.ngram is not None and self.ngram.window is not None:
+            self.lookahead = self.ngram.drafter.lookahead_policy(params.sampling.do_sample)
+            wanted = self.ngram.drafter.settings.lookahead_nodes + self.ngram.window.num_nodes
+            # padded for a graph-replaying target, as the planner's n-gram trees are
+            self.lookahead_size = tree_size(wanted, TREE_SIZES + (wanted,)) if self.cost.padded else wanted
         self.capacity = (
             len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra
             + max(max_ngram, self.lookahead_size) + 8
         )  # fmt: skip
-        self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
         if transport.has_draft:
             self.cost.new_generation(params.tree.depth_limit + 1)
         self.plan = RoundPlan(model=transport.has_draft, ngram_size=0)
