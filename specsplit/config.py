@@ -393,8 +393,9 @@ class TargetConfig:
             raise ConfigError(f"target.max_context must be >= 2, got {self.max_context}")
 
 
-# The lookahead window the bench's ``-lookahead`` decoders use unless told otherwise (and the one to
-# pass to ``--lookahead`` on a GPU): 21 window nodes beside 11 n-gram nodes fill a 32-node round.
+# The lookahead window ``NgramConfig(lookahead="auto")`` runs where the target replays CUDA graphs, and
+# the bench's ``-lookahead`` decoders unless told otherwise: 21 window nodes beside 11 n-gram nodes
+# fill a 32-node round.
 DEFAULT_LOOKAHEAD = 7
 DEFAULT_LOOKAHEAD_LEVELS = 3
 
@@ -410,20 +411,27 @@ class NgramConfig:
         max_matches: earlier occurrences merged into one proposal.
         suffix_cache_tokens: tokens of earlier generations the ``suffix`` and ``auto`` drafters keep
             (per generator or worker; the oldest generations go first).
-        lookahead: guesses a row of the lookahead window holds (0: no lookahead, the default).
-            With it, every round the n-gram drafters draft (while the A/B policy keeps lookahead
-            on) verifies a window of ``lookahead * lookahead_levels`` Jacobi guesses beside the
-            n-gram candidates, and the target's outputs on it fill a pool of n-grams the target
-            wrote itself (:mod:`specsplit.core.lookahead`): proposals for text that never occurred
-            before. Pays where a forward of a few dozen more rows costs little (a target replaying
-            CUDA graphs on a GPU; :data:`DEFAULT_LOOKAHEAD` is the measured width), not on a CPU.
+        lookahead: guesses a row of the lookahead window holds (0: no lookahead). With it, every
+            round the n-gram drafters draft (while the A/B policy keeps lookahead on) verifies a
+            window of ``lookahead * lookahead_levels`` Jacobi guesses beside the n-gram candidates,
+            and the target's outputs on it fill a pool of n-grams the target wrote itself
+            (:mod:`specsplit.core.lookahead`): proposals for text that never occurred before. Pays
+            where a forward of a few dozen more rows costs little (a target replaying CUDA graphs
+            on a GPU), not on a CPU. ``"auto"`` (the default): :data:`DEFAULT_LOOKAHEAD` wide where
+            the target is known to replay CUDA graphs (a local target with ``cuda_graphs``, or a
+            target worker running the rounds on its graphs) and the drafter is not ``"hybrid"``
+            (which asks for the model's tree every round), none elsewhere (a CPU target, or a gRPC
+            client loop, which cannot tell).
         lookahead_levels: rows of the window; pool n-grams are ``lookahead_levels + 1`` tokens.
         lookahead_pool: n-grams the pool keeps per first token, and proposes at most a round.
         lookahead_nodes: tree nodes a lookahead round gives the proposal (prompt matches and pool
             n-grams); the window's nodes come on top.
-        lookahead_policy: ``"adaptive"`` times lookahead rounds against the planner's (short
-            probes of each, the faster held, re-probed ever less often), so lookahead runs only
-            where it pays; ``"always"`` runs lookahead rounds whenever the n-gram drafter drafts.
+        lookahead_policy: ``"always"`` (the default) runs lookahead rounds whenever the n-gram
+            drafter drafts; ``"adaptive"`` times lookahead rounds against the planner's (short
+            probes of each, the faster held, re-probed ever less often), for a target where it is
+            unknown whether the window pays. Its probes compare different stretches of text, and a
+            probe of lookahead starts from a window that has not run, so on a GPU it can settle on
+            the planner where lookahead pays (benchmarks/NOTES.md, "Lookahead").
     """
 
     min_n: int = 1
@@ -432,11 +440,11 @@ class NgramConfig:
     max_nodes: int = 32
     max_matches: int = 8
     suffix_cache_tokens: int = 200_000
-    lookahead: int = 0
+    lookahead: int | str = "auto"
     lookahead_levels: int = DEFAULT_LOOKAHEAD_LEVELS
     lookahead_pool: int = 7
     lookahead_nodes: int = 11
-    lookahead_policy: str = "adaptive"
+    lookahead_policy: str = "always"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -446,8 +454,12 @@ class NgramConfig:
                 raise ConfigError(f"ngram.{name} must be >= 1, got {getattr(self, name)}")
         if self.suffix_cache_tokens < 0:
             raise ConfigError(f"ngram.suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
-        if self.lookahead < 0:
-            raise ConfigError(f"ngram.lookahead must be >= 0 (0: off), got {self.lookahead}")
+        if self.lookahead != "auto" and not (
+            isinstance(self.lookahead, int) and not isinstance(self.lookahead, bool) and self.lookahead >= 0
+        ):
+            raise ConfigError(
+                f"ngram.lookahead must be 'auto' or an integer >= 0 (0: off), got {self.lookahead!r}"
+            )
         for name in ("lookahead_levels", "lookahead_pool", "lookahead_nodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ngram.{name} must be >= 1, got {getattr(self, name)}")

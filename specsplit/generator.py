@@ -211,7 +211,8 @@ class SpecSplitGenerator:
         # The n-gram drafters' suffix cache and the round planners: what they learned on earlier
         # prompts (earlier generations' text, costs and acceptance) holds for the next ones.
         mode = self.config.drafter
-        self._ngram = NgramDrafter(self.config.tuning.ngram, suffix=mode in ("suffix", "auto"))
+        graphs = self.target_engine is not None and self.target_engine.replays_graphs
+        self._ngram = NgramDrafter(self.config.tuning.ngram, suffix=mode in ("suffix", "auto"), graphs=graphs)
         self._costs = CostModels()
         self._scheduler: BatchScheduler | None = None  # batched rounds: the KV pool, its graphs, its rows
         self._batch_lock = threading.Lock()

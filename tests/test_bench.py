@@ -678,7 +678,8 @@ _OPTIONAL_NAMES = (
     "specsplit-ngram", "specsplit-ngram-compiled", "specsplit-suffix", "specsplit-suffix-compiled",
     "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
     "specsplit-lookahead", "specsplit-lookahead-compiled", "specsplit-lookahead-always-compiled",
-    "specsplit-auto-lookahead-compiled", "specsplit-auto-chain",
+    "specsplit-auto-lookahead-compiled", "specsplit-auto-chain", "specsplit-auto-chain-compiled",
+    "specsplit-auto-chain-lookahead-compiled", "specsplit-auto-chain-lookahead-always-compiled",
     "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
 )  # fmt: skip
 

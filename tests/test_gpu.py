@@ -457,18 +457,20 @@ def test_tree_slot_sanitize_on_cuda_equals_cpu():
     assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got, strict=True))
 
 
-@pytest.mark.parametrize("mode", ["ngram", "auto", "lookahead"])
+@pytest.mark.parametrize("mode", ["ngram", "auto", "lookahead", "lookahead-auto"])
 def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode):
-    """n-gram trees padded to a few sizes (and lookahead trees: n-grams plus a Jacobi window), verified
-    by one-graph greedy rounds on a GPU: HF greedy's tokens; under sampling, target-only sampling's
-    tokens for the same seed (position-keyed draws)."""
+    """n-gram trees padded to a few sizes (and lookahead trees: n-grams plus a Jacobi window, of an
+    explicit width or of the default ``lookahead="auto"``, which a graph-replaying target turns on),
+    verified by one-graph greedy rounds on a GPU: HF greedy's tokens; under sampling, target-only
+    sampling's tokens for the same seed (position-keyed draws)."""
     import copy
 
-    from specsplit.config import NgramConfig, PipelineTuning
+    from specsplit.config import DEFAULT_LOOKAHEAD, NgramConfig, PipelineTuning
 
-    lookahead = mode == "lookahead"
+    lookahead = mode.startswith("lookahead")
+    width = {"lookahead": 4, "lookahead-auto": "auto"}.get(mode, 0)
     mode = "ngram" if lookahead else mode
-    ngram = NgramConfig(lookahead=4 if lookahead else 0, lookahead_policy="always")
+    ngram = NgramConfig(lookahead=width, lookahead_policy="always")
 
     ddev, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
@@ -492,6 +494,7 @@ def test_ngram_trees_on_cuda_graphs_exact(llama_target, llama_draft_random, mode
         sampled_ref = plain.generate(ids, generator=torch.Generator().manual_seed(9), **kw)
     drafted = 0
     with SpecSplitGenerator(target, draft, config=cfg) as gen:
+        assert gen._ngram.lookahead_width() == (DEFAULT_LOOKAHEAD if width == "auto" else width)
         for _ in range(2):
             out = gen.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
             assert torch.equal(out.sequences, ref)

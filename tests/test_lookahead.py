@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator
-from specsplit.config import EngineTuning, NgramConfig, PipelineTuning, TargetConfig
+from specsplit.config import DEFAULT_LOOKAHEAD, EngineTuning, NgramConfig, PipelineTuning, TargetConfig
 from specsplit.core.lookahead import LookaheadWindow
 from specsplit.core.ngram import Proposal
 from specsplit.core.tree import TokenTree
-from specsplit.engines.drafters import lookahead_tree
+from specsplit.engines.drafters import NgramDrafter, lookahead_tree
 from specsplit.errors import ConfigError
 from specsplit.messages import VerifyRequest
 
@@ -169,9 +169,55 @@ def test_the_adaptive_policy_times_lookahead_rounds_against_the_planners(llama_t
     assert outs[0].spec_stats.rounds_by_drafter().get("lookahead", 0) > 0
 
 
+def test_lookahead_auto_is_on_only_where_the_target_replays_graphs(llama_target):
+    """``lookahead="auto"`` (the default): the default window on a graph-replaying target (a local
+    engine with CUDA graphs on a CUDA device, a worker's target on its graphs), none elsewhere; an
+    explicit width holds everywhere."""
+    from specsplit.remote.target_loop import WorkerDrafting
+
+    assert NgramConfig().lookahead == "auto"
+    assert NgramDrafter(NgramConfig(), graphs=True).lookahead_width() == DEFAULT_LOOKAHEAD
+    assert NgramDrafter(NgramConfig(), graphs=False).lookahead_width() == 0
+    assert NgramDrafter(NgramConfig(lookahead=5), graphs=False).lookahead_width() == 5
+    assert NgramDrafter(NgramConfig(lookahead=0), graphs=True).lookahead_width() == 0
+    # hybrid asks for the model's tree every round: only an explicit width gives it a window
+    assert NgramDrafter(NgramConfig(), graphs=True).lookahead_width("hybrid") == 0
+    assert NgramDrafter(NgramConfig(lookahead=5), graphs=True).lookahead_width("hybrid") == 5
+    assert NgramConfig().lookahead_policy == "always"
+    assert WorkerDrafting("ngram", padded=True).drafter("auto").lookahead_width() == DEFAULT_LOOKAHEAD
+    assert WorkerDrafting("ngram", padded=False).drafter("ngram").lookahead_width() == 0
+    # the static path on a CPU runs eagerly: no graphs, so no window, and no lookahead rounds
+    cfg = SpecSplitConfig(drafter="ngram", target=TargetConfig(cuda_graphs=True))
+    ids = torch.tensor([PROMPT])
+    ref = llama_target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with SpecSplitGenerator(llama_target, None, config=cfg) as gen:
+        assert not gen.target_engine.replays_graphs and gen._ngram.lookahead_width() == 0
+        out = gen.generate(ids, max_new_tokens=24, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert "lookahead" not in out.spec_stats.rounds_by_drafter()
+
+
+def test_lookahead_flag_takes_auto_and_widths():
+    from specsplit.bench.cli import _lookahead
+    from specsplit.cli.common import lookahead_overrides
+
+    assert lookahead_overrides("auto") == {"lookahead": "auto"}
+    assert lookahead_overrides("0") == {"lookahead": 0}
+    assert lookahead_overrides("5,2") == {"lookahead": 5, "lookahead_levels": 2}
+    with pytest.raises(ConfigError, match="or auto"):
+        lookahead_overrides("on")
+    assert _lookahead("5,2") == (5, 2)
+    with pytest.raises(SystemExit, match="WIDTH"):  # the bench's -lookahead decoders need a size
+        _lookahead("auto")
+
+
 def test_bad_lookahead_settings_are_refused():
     with pytest.raises(ConfigError, match="lookahead must be"):
         NgramConfig(lookahead=-1)
+    with pytest.raises(ConfigError, match="lookahead must be"):
+        NgramConfig(lookahead="on")
+    with pytest.raises(ConfigError, match="lookahead must be"):
+        NgramConfig(lookahead=True)
     with pytest.raises(ConfigError, match="lookahead_levels"):
         NgramConfig(lookahead=4, lookahead_levels=0)
     with pytest.raises(ConfigError, match="lookahead_policy"):

@@ -349,6 +349,10 @@ def _lookahead(text: str) -> tuple[int, int]:
         fields = lookahead_overrides(text)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+    if fields["lookahead"] == "auto":  # the -lookahead decoders always carry a window: its size only
+        raise SystemExit(
+            "--lookahead of the bench wants WIDTH or WIDTH,LEVELS (the -lookahead decoders' window)"
+        )
     return fields["lookahead"], fields.get("lookahead_levels", DEFAULT_LOOKAHEAD_LEVELS)
 
 

@@ -228,12 +228,21 @@ _TABLE = (
                 lookahead="adaptive", compile=True),
     DecoderSpec("specsplit-lookahead-always-compiled", f"{_NGRAM}, {_LOOKAHEAD} {_ALWAYS}, {_COMPILED}",
                 drafter="ngram", lookahead="always", compile=True),
-    # auto with lookahead: what `specsplit generate` runs on a GPU
+    # auto with lookahead, the dynamic tree as the model's
     DecoderSpec("specsplit-auto-lookahead-compiled", f"{_AUTO}, {_LOOKAHEAD}, {_COMPILED}", tree="dynamic",
                 drafter="auto", lookahead="adaptive", compile=True),
     # auto with the chain of K as the model's tree: on a CPU a verification grows with its nodes, and
-    # a chain of 4 costs about one row there (packed weights) where a 24-node tree does not.
+    # a chain of 4 costs about one row there (packed weights) where a 24-node tree does not. With
+    # `--num-draft-tokens 8 --chain-confidence 0.5`, `specsplit generate`'s tree: on a GPU without a
+    # lookahead window, with one under the adaptive policy, and with one in every round (the
+    # defaults there: lookahead="auto", lookahead_policy="always").
     DecoderSpec("specsplit-auto-chain", _AUTO, tree="chain", drafter="auto"),
+    DecoderSpec("specsplit-auto-chain-compiled", f"{_AUTO}, {_COMPILED}", tree="chain", drafter="auto",
+                compile=True),
+    DecoderSpec("specsplit-auto-chain-lookahead-compiled", f"{_AUTO}, {_LOOKAHEAD}, {_COMPILED}", tree="chain",
+                drafter="auto", lookahead="adaptive", compile=True),
+    DecoderSpec("specsplit-auto-chain-lookahead-always-compiled", f"{_AUTO}, {_LOOKAHEAD} {_ALWAYS}, {_COMPILED}",
+                tree="chain", drafter="auto", lookahead="always", compile=True),
     # The model draft with a restricted output layer (DraftConfig.vocab_subset), beside the same
     # decoders with the whole vocabulary.
     DecoderSpec("specsplit-chain-frspec", f"{_LOCAL}, {_FRSPEC}", tree="chain", draft_vocab=True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specsplit.config import DEFAULT_LOOKAHEAD
 from specsplit.errors import ConfigError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -84,27 +85,31 @@ def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument(
         "--lookahead",
         default=None,
-        metavar="WIDTH[,LEVELS]",
+        metavar="WIDTH[,LEVELS]|auto",
         help="n-gram rounds carry a lookahead window of LEVELS rows (default 3) of WIDTH guesses whose "
-        "outputs propose n-grams the target wrote itself; pays on a GPU with --cuda-graphs (try 7), "
-        "not on a CPU (default: 0, off)",
+        "outputs propose n-grams the target wrote itself; 0: none. Pays on a GPU with --cuda-graphs, "
+        f"not on a CPU (default: auto, {DEFAULT_LOOKAHEAD} wide where the target replays CUDA graphs, "
+        "else none)",
     )
 
 
 def lookahead_overrides(text: str | None) -> dict[str, Any]:
-    """``--lookahead WIDTH[,LEVELS]`` as :class:`~specsplit.config.NgramConfig` fields (none when unset).
+    """``--lookahead WIDTH[,LEVELS]`` (or ``auto``) as :class:`~specsplit.config.NgramConfig` fields
+    (none when unset).
 
     Raises:
-        ConfigError: not one or two integers.
+        ConfigError: neither ``auto`` nor one or two integers.
     """
     if text is None:
         return {}
+    if text.strip() == "auto":
+        return {"lookahead": "auto"}
     try:
         parts = [int(x) for x in text.split(",")]
     except ValueError:
         parts = []
     if len(parts) not in (1, 2):
-        raise ConfigError(f"--lookahead wants WIDTH or WIDTH,LEVELS (integers), got {text!r}")
+        raise ConfigError(f"--lookahead wants WIDTH or WIDTH,LEVELS (integers) or auto, got {text!r}")
     return {"lookahead": parts[0]} | ({"lookahead_levels": parts[1]} if len(parts) == 2 else {})
 
 

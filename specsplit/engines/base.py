@@ -208,6 +208,12 @@ class EngineBase(Generic[S]):
     def synchronize(self) -> None:
         sync_device(self.device)
 
+    @property
+    def replays_graphs(self) -> bool:
+        """Steps replay CUDA graphs (``cuda_graphs`` on a CUDA device; elsewhere the same static
+        path runs eagerly)."""
+        return self.config.cuda_graphs and self.device.type == "cuda"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={self.runner.model_name!r}, sessions={self.active_sessions})"
 

@@ -15,8 +15,9 @@ transport). The drafters here run on the host, beside the round loop:
   node budget, verified by one target forward.
 - lookahead (``NgramConfig.lookahead``, with any of the n-gram modes): every n-gram round also
   carries a Jacobi window whose outputs fill a pool of n-grams the target wrote itself
-  (:mod:`specsplit.core.lookahead`, :func:`lookahead_tree`); an A/B policy keeps it only while its
-  rounds commit tokens faster than the planner's.
+  (:mod:`specsplit.core.lookahead`, :func:`lookahead_tree`). On by default where the target replays
+  CUDA graphs (``lookahead="auto"``), in every n-gram round, or under an A/B policy that keeps it
+  only while its rounds commit tokens faster than the planner's (``lookahead_policy="adaptive"``).
 
 Every tree here is deterministic: ``q`` is one-hot on each node's token, so verification stays
 lossless under sampling (recursive rejection sampling accepts any tree whose ``q`` is exact).
@@ -33,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from specsplit.config import NgramConfig
+from specsplit.config import DEFAULT_LOOKAHEAD, NgramConfig
 from specsplit.core.lookahead import LookaheadWindow
 from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
 from specsplit.core.tree import TokenTree
@@ -84,10 +85,13 @@ class NgramDrafter:
     Args:
         settings: how proposals are made.
         suffix: also index finished generations (``suffix`` drafting).
+        graphs: the target these sessions draft for replays CUDA graphs (``lookahead="auto"``
+            turns the lookahead window on there).
     """
 
-    def __init__(self, settings: NgramConfig | None = None, suffix: bool = False):
+    def __init__(self, settings: NgramConfig | None = None, suffix: bool = False, graphs: bool = False):
         self.settings = settings or NgramConfig()
+        self.graphs = graphs
         self.scoring = Scoring()
         self._cache: SuffixCache | None = None
         self._suffix = suffix
@@ -104,6 +108,15 @@ class NgramDrafter:
                 always = self.settings.lookahead_policy == "always"
                 policy = self._lookahead[do_sample] = OverlapPolicy(always=always, probe=8)
             return policy
+
+    def lookahead_width(self, mode: str = "ngram") -> int:
+        """Guesses a row of the lookahead windows of this drafter's ``mode`` generations holds (0:
+        no window): the setting, or for ``"auto"`` :data:`~specsplit.config.DEFAULT_LOOKAHEAD` on
+        a graph-replaying target unless ``mode`` is ``"hybrid"`` (the model's tree every round)."""
+        width = self.settings.lookahead
+        if width == "auto":
+            return DEFAULT_LOOKAHEAD if self.graphs and mode != "hybrid" else 0
+        return int(width)
 
     @property
     def cache(self) -> SuffixCache | None:

@@ -176,7 +176,7 @@ class _Generation:
         self.lookahead: OverlapPolicy | None = None  # lookahead rounds or the planner's
         if self.mode != "model":  # an n-gram index of the committed tokens
             drafter = params.ngram or NgramDrafter(suffix=self.mode in ("suffix", "auto"))
-            self.ngram = drafter.session(prompt, drafter.settings.lookahead)
+            self.ngram = drafter.session(prompt, drafter.lookahead_width(self.mode))
             max_ngram = drafter.settings.max_nodes
         self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
         if self.ngram is not None and self.ngram.window is not None:

@@ -269,8 +269,8 @@ class WorkerDrafting:
         self.default = default
         self.padded = padded  # n-gram trees padded to a few sizes (a target on the CUDA-graph path)
         self.ngram = ngram or NgramConfig()
-        self._plain = NgramDrafter(self.ngram, suffix=False)
-        self._suffix = NgramDrafter(self.ngram, suffix=True)
+        self._plain = NgramDrafter(self.ngram, suffix=False, graphs=padded)
+        self._suffix = NgramDrafter(self.ngram, suffix=True, graphs=padded)
         self.costs = CostModels()
 
     def drafter(self, mode: str) -> NgramDrafter:
