@@ -412,7 +412,7 @@ class NgramConfig:
         suffix_cache_tokens: tokens of earlier generations the ``suffix`` and ``auto`` drafters keep
             (per generator or worker; the oldest generations go first).
         lookahead: guesses a row of the lookahead window holds (0: no lookahead). With it, every
-            round the n-gram drafters draft (while the A/B policy keeps lookahead on) verifies a
+            round the n-gram drafters draft (under ``lookahead_policy``) verifies a
             window of ``lookahead * lookahead_levels`` Jacobi guesses beside the n-gram candidates,
             and the target's outputs on it fill a pool of n-grams the target wrote itself
             (:mod:`specsplit.core.lookahead`): proposals for text that never occurred before. Pays
