@@ -374,12 +374,9 @@ def _batch_scheduler(
 
 
 def _graphs(engine: Any) -> bool:
-    """Whether the engine replays CUDA graphs (configured so, on a CUDA device)."""
-    cfg = getattr(engine, "config", None)
-    return (
-        bool(getattr(cfg, "cuda_graphs", False))
-        and getattr(getattr(engine, "device", None), "type", "") == "cuda"
-    )
+    """Whether the engine replays CUDA graphs (:attr:`~specsplit.engines.base.EngineBase.replays_graphs`;
+    a stand-in engine without it does not)."""
+    return bool(getattr(engine, "replays_graphs", False))
 
 
 def _pool(engine: Any, max_batch: int, capacity: int, graphs: bool) -> BatchedTarget:
