@@ -134,6 +134,48 @@ def test_proposal_trees_pad_to_fixed_sizes_and_merge():
     assert merged.num_nodes == 8 and merged.bounds() == (7, 6)
 
 
+def test_drafted_host_trees_skip_the_checks_meant_for_trees_from_outside(llama_target, monkeypatch):
+    """n-gram trees are built from committed tokens (``trusted``): the engine neither validates them
+    nor does the in-process transport move them (a graph-replayed round stages host ids in one
+    copy). A host tree from anywhere else is still checked fully and a bad one refused."""
+    from specsplit.core.ngram import Proposal
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.target import TargetEngine
+    from specsplit.errors import InvalidRequest
+    from specsplit.messages import VerifyRequest
+
+    tree, _ = proposal_tree(Proposal([4, 5], [-1, 0], [1, 2], [0.9, 0.8]), 4, 16, True)
+    assert tree.trusted and tree.to("cpu").trusted
+    assert not TokenTree(tree.token_ids, tree.parents, tree.depths, tree.log_probs).trusted
+    calls = {"validate": 0}
+    orig = TokenTree.validate
+
+    def spy(self, *a, **kw):
+        calls["validate"] += 1
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(TokenTree, "validate", spy)
+    seen: list[bool] = []  # trusted, for every tree the target engine is handed
+    verify = TargetEngine.verify
+    monkeypatch.setattr(
+        TargetEngine, "verify", lambda self, req: seen.append(req.tree.trusted) or verify(self, req)
+    )
+    ids = torch.tensor([PROMPT])
+    ref = _hf(llama_target, ids, 40)
+    with SpecSplitGenerator(llama_target, None, config=SpecSplitConfig(drafter="ngram")) as gen:
+        out = gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.spec_stats.rounds_by_drafter().get("ngram", 0) > 0
+        assert calls["validate"] == 0 and all(seen) and len(seen) == len(out.spec_stats.rounds)
+        bad = TokenTree(torch.tensor([4, 5]), torch.tensor([-1, 5]), torch.tensor([1, 2]), torch.zeros(2))
+        with pytest.raises(InvalidRequest, match="parents"):
+            gen.transport.verify(VerifyRequest("outside", bad, [5, 17], 0))
+        assert calls["validate"] == 1
+        fine = TokenTree(bad.token_ids, torch.tensor([-1, 0]), bad.depths, bad.log_probs)
+        assert gen.transport.verify(VerifyRequest("outside", fine, [5, 17], 0)).prefix_length >= 2
+        assert calls["validate"] == 2
+
+
 # ---------------------------------------------------------------------- cost model
 FLAT = FixedCosts(fixed=0.001, verify=lambda n: 0.010 + 0.0001 * n, model=0.030)  # a GPU-like profile
 STEEP = FixedCosts(fixed=0.001, verify=lambda n: 0.010 * (1 + 0.25 * n), model=0.030)  # a CPU-like profile

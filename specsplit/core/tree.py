@@ -109,6 +109,10 @@ class TokenTree:
     # Host-side upper bounds (set by the producer so verification needs no host read).
     max_branch: int | None = None
     depth_bound: int | None = None
+    # Built by this package's own drafters from committed tokens, so well-formed by construction:
+    # an engine skips :meth:`validate` and takes the host arrays as they are. Never set on a tree
+    # that arrives from outside (a deserialised request leaves it False).
+    trusted: bool = field(default=False, compare=False)
 
     def bounds(self) -> tuple[int, int]:
         """``(max children of any row, max depth)``; reads the tensors only if not preset."""
@@ -140,7 +144,7 @@ class TokenTree:
         """A tree with no nodes: verification then just produces the target's next token."""
         z = torch.zeros(0, dtype=torch.long, device=device)
         lp = torch.zeros(0, dtype=torch.float32, device=device)
-        return cls(z, z.clone(), z.clone(), lp, max_branch=0, depth_bound=0)
+        return cls(z, z.clone(), z.clone(), lp, max_branch=0, depth_bound=0, trusted=True)
 
     def to(self, device: torch.device | str) -> TokenTree:
         """Copy to ``device`` (non-blocking; only ids and draft probabilities move)."""
@@ -171,6 +175,7 @@ class TokenTree:
             mv(self.q_probs),
             self.max_branch,
             self.depth_bound,
+            self.trusted,
         )
 
     def max_depth(self) -> int:

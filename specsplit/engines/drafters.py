@@ -216,6 +216,7 @@ def _host_tree(
         z(parents, dtype=torch.long),
         z(depths, dtype=torch.long),
         torch.zeros(size, dtype=torch.float32),
+        trusted=True,  # committed tokens in a well-formed trie: the engine skips its host checks
     )
     if fixed_bounds:  # a tree of `size` nodes is at most `size` deep: the walk of its path stays short
         tree.max_branch, tree.depth_bound = size, min(max(depth_bound, deepest), size)

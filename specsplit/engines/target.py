@@ -174,7 +174,7 @@ class TargetEngine(EngineBase[KVCacheState]):
             raise InvalidRequest("pending_token_ids must hold at least one token (the last committed one)")
         if req.expected_prefix_length < 0:
             raise InvalidRequest(f"expected_prefix_length must be >= 0, got {req.expected_prefix_length}")
-        if tree.device.type == "cpu":  # arrived from outside (gRPC/user): check it fully
+        if tree.device.type == "cpu" and not tree.trusted:  # from outside (gRPC/user): check it fully
             tree.validate(self.runner.vocab_size, self.config.max_tree_nodes, self.config.max_tree_depth)
         elif tree.num_nodes > self.config.max_tree_nodes:
             raise InvalidRequest(f"tree has {tree.num_nodes} nodes; limit is {self.config.max_tree_nodes}")

@@ -34,9 +34,12 @@ class LocalTransport:
         return self.draft_engine.generate(request)
 
     def verify(self, request: VerifyRequest) -> VerifyResult:
-        # Trees stay on device: moving them is non-blocking and skips host validation, which
-        # is only needed for trees that arrive from outside.
-        request.tree = request.tree.to(self.target_engine.device)
+        # A model draft's tree moves to the target's device (non-blocking; a device tree skips the
+        # host checks meant for trees from outside). A host tree the package's n-gram drafters built
+        # (``trusted``) stays on the host: a graph-replayed round stages its ids in one pinned copy.
+        tree = request.tree
+        if not (tree.trusted and tree.device.type == "cpu"):
+            request.tree = tree.to(self.target_engine.device)
         return self.target_engine.verify(request)
 
     def end_session(self, session_id: str) -> None:
