@@ -394,10 +394,13 @@ class TargetConfig:
 
 
 # The lookahead window ``NgramConfig(lookahead="auto")`` runs where the target replays CUDA graphs, and
-# the bench's ``-lookahead`` decoders unless told otherwise: 21 window nodes beside 11 n-gram nodes
-# fill a 32-node round.
-DEFAULT_LOOKAHEAD = 7
-DEFAULT_LOOKAHEAD_LEVELS = 3
+# the bench's ``-lookahead`` decoders unless told otherwise: 2 rows of 8 guesses (16 window nodes)
+# beside 16 n-gram nodes fill a 32-node round. Of the splits of a 32-node round measured, this one
+# kept more of the prompt's copies than 3 rows of 7 beside 11 and found as much new text
+# (benchmarks/NOTES.md, "Lookahead").
+DEFAULT_LOOKAHEAD = 8
+DEFAULT_LOOKAHEAD_LEVELS = 2
+DEFAULT_LOOKAHEAD_NODES = 16
 
 
 @dataclass
@@ -443,7 +446,7 @@ class NgramConfig:
     lookahead: int | str = "auto"
     lookahead_levels: int = DEFAULT_LOOKAHEAD_LEVELS
     lookahead_pool: int = 7
-    lookahead_nodes: int = 11
+    lookahead_nodes: int = DEFAULT_LOOKAHEAD_NODES
     lookahead_policy: str = "always"
 
     def __post_init__(self) -> None:

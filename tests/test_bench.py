@@ -12,7 +12,12 @@ from specsplit.bench.decoders import DEFAULT_DECODERS, FRSPEC_VOCAB, BuildOption
 from specsplit.bench.report import RunRecord, first_difference, rounds_to_counts, summarize
 from specsplit.bench.run import CATEGORIES, DEFAULT_PROMPTS, SCHEMA, load_prompts
 from specsplit.cli import main
-from specsplit.config import EngineTuning
+from specsplit.config import (
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_LOOKAHEAD_LEVELS,
+    DEFAULT_LOOKAHEAD_NODES,
+    EngineTuning,
+)
 
 NOT_DRAFTING = {"hf-target", "hf-assisted-default", "hf-prompt-lookup", "specsplit-target-only"}
 SPECULATIVE = tuple(d for d in DEFAULT_DECODERS if d not in NOT_DRAFTING)
@@ -748,7 +753,9 @@ def test_spec_fields_drive_the_built_config() -> None:
             assert cfg.draft.tuning.graph_rounds == (spec.draft_graph_rounds is not False), d.name
             assert cfg.target.tuning.prefill_graphs == spec.compile, d.name  # on with graphs (the default)
             ngram = cfg.tuning.ngram  # the run's lookahead window (--lookahead) on the -lookahead rows only
-            assert (ngram.lookahead, ngram.lookahead_levels) == ((7, 3) if spec.lookahead else (0, 3)), d.name
+            window = (ngram.lookahead, ngram.lookahead_levels, ngram.lookahead_nodes)
+            default = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
+            assert window == (default if spec.lookahead else (0, *default[1:])), d.name
             assert not spec.lookahead or ngram.lookahead_policy == spec.lookahead, d.name
         levels = next(d for d in decs if d.name == "specsplit-dynamic-levels-compiled").config
         assert levels.draft.compile and levels.draft.cuda_graphs and not levels.draft.tuning.graph_rounds

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator
-from specsplit.config import DEFAULT_LOOKAHEAD, EngineTuning, NgramConfig, PipelineTuning, TargetConfig
+from specsplit.config import (
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_LOOKAHEAD_NODES,
+    EngineTuning,
+    NgramConfig,
+    PipelineTuning,
+    TargetConfig,
+)
 from specsplit.core.lookahead import LookaheadWindow
 from specsplit.core.ngram import Proposal
 from specsplit.core.tree import TokenTree
@@ -206,7 +213,8 @@ def test_lookahead_flag_takes_auto_and_widths():
     assert lookahead_overrides("5,2") == {"lookahead": 5, "lookahead_levels": 2}
     with pytest.raises(ConfigError, match="or auto"):
         lookahead_overrides("on")
-    assert _lookahead("5,2") == (5, 2)
+    assert _lookahead("5,2") == (5, 2, DEFAULT_LOOKAHEAD_NODES)  # the n-gram nodes: the default
+    assert _lookahead("8,2,16") == (8, 2, 16)
     with pytest.raises(SystemExit, match="WIDTH"):  # the bench's -lookahead decoders need a size
         _lookahead("auto")
 

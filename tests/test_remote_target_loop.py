@@ -412,7 +412,7 @@ def test_serve_rejects_draft_peer_options_on_a_draft_worker(tmp_path: Path, caps
     assert main(["serve", "draft", "--model", str(tmp_path), "--lookahead", "7"]) == 2
     assert "--lookahead" in capsys.readouterr().err
     assert main(["serve", "target", "--model", str(tmp_path), "--lookahead", "7,x"]) == 2
-    assert "WIDTH or WIDTH,LEVELS" in capsys.readouterr().err
+    assert "WIDTH[,LEVELS[,NODES]]" in capsys.readouterr().err
 
 
 def test_lookahead_flag_parses_width_and_levels() -> None:
@@ -421,7 +421,8 @@ def test_lookahead_flag_parses_width_and_levels() -> None:
     assert lookahead_overrides(None) == {}
     assert lookahead_overrides("7") == {"lookahead": 7}
     assert lookahead_overrides("10,4") == {"lookahead": 10, "lookahead_levels": 4}
-    for bad in ("", "a", "1,2,3"):
+    assert lookahead_overrides("8,2,16") == {"lookahead": 8, "lookahead_levels": 2, "lookahead_nodes": 16}
+    for bad in ("", "a", "1,2,3,4"):
         with pytest.raises(ConfigError, match="--lookahead"):
             lookahead_overrides(bad)
 

@@ -40,7 +40,7 @@ from specsplit.cli.common import (
     engine_overrides,
     lookahead_overrides,
 )
-from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS
+from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES
 from specsplit.errors import ConfigError
 
 _DESCRIPTION = (
@@ -148,8 +148,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lookahead",
         default=f"{DEFAULT_LOOKAHEAD},{DEFAULT_LOOKAHEAD_LEVELS}",
-        metavar="WIDTH[,LEVELS]",
-        help="window of the -lookahead decoders: guesses a row, rows (NgramConfig.lookahead / lookahead_levels)",
+        metavar="WIDTH[,LEVELS[,NODES]]",
+        help="window of the -lookahead decoders: guesses a row, rows, and the n-gram nodes beside it "
+        f"(NgramConfig.lookahead / lookahead_levels / lookahead_nodes; default {DEFAULT_LOOKAHEAD},"
+        f"{DEFAULT_LOOKAHEAD_LEVELS},{DEFAULT_LOOKAHEAD_NODES})",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
@@ -274,7 +276,7 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--dynamic-tree", args.dynamic_tree]
     if args.frspec_vocab != FRSPEC_VOCAB:
         parts += ["--frspec-vocab", str(args.frspec_vocab)]
-    if args.lookahead != f"{DEFAULT_LOOKAHEAD},{DEFAULT_LOOKAHEAD_LEVELS}":
+    if _lookahead(args.lookahead) != (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES):
         parts += ["--lookahead", args.lookahead]
     if args.threads:
         parts += ["--threads", str(args.threads)]
@@ -342,18 +344,22 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
     )
 
 
-def _lookahead(text: str) -> tuple[int, int]:
-    """``--lookahead WIDTH[,LEVELS]`` -> ``(width, levels)`` (the values are checked by NgramConfig
-    when the decoders are built)."""
+def _lookahead(text: str) -> tuple[int, int, int]:
+    """``--lookahead WIDTH[,LEVELS[,NODES]]`` -> ``(width, levels, nodes)`` (the values are checked by
+    NgramConfig when the decoders are built)."""
     try:
         fields = lookahead_overrides(text)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     if fields["lookahead"] == "auto":  # the -lookahead decoders always carry a window: its size only
         raise SystemExit(
-            "--lookahead of the bench wants WIDTH or WIDTH,LEVELS (the -lookahead decoders' window)"
+            "--lookahead of the bench wants WIDTH[,LEVELS[,NODES]] (the -lookahead decoders' window)"
         )
-    return fields["lookahead"], fields.get("lookahead_levels", DEFAULT_LOOKAHEAD_LEVELS)
+    return (
+        fields["lookahead"],
+        fields.get("lookahead_levels", DEFAULT_LOOKAHEAD_LEVELS),
+        fields.get("lookahead_nodes", DEFAULT_LOOKAHEAD_NODES),
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

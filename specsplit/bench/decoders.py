@@ -35,6 +35,7 @@ from specsplit.bench.models import BenchModels, load_models, tiny_models
 from specsplit.config import (
     DEFAULT_LOOKAHEAD,
     DEFAULT_LOOKAHEAD_LEVELS,
+    DEFAULT_LOOKAHEAD_NODES,
     EngineTuning,
     NgramConfig,
     PipelineTuning,
@@ -227,7 +228,7 @@ class BuildOptions:
         dynamic_tree: ``(topk, width, budget, depth)`` of the dynamic tree (default
             :class:`TreeConfig`'s).
         frspec_vocab: tokens the ``-frspec`` decoders' draft output layer scores.
-        lookahead: ``(width, levels)`` of the ``-lookahead`` decoders' window.
+        lookahead: ``(width, levels, n-gram nodes)`` of the ``-lookahead`` decoders' rounds.
     """
 
     k: int = 4
@@ -239,7 +240,7 @@ class BuildOptions:
     grpc_workers: Workers = "process"
     dynamic_tree: tuple[int, int, int, int] | None = None
     frspec_vocab: int = FRSPEC_VOCAB
-    lookahead: tuple[int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS)
+    lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
 
 
 @dataclass
@@ -302,15 +303,16 @@ def _ngram_settings(opts: BuildOptions, spec: DecoderSpec) -> NgramConfig:
     ngram = opts.pipeline.ngram
     if not spec.lookahead:
         return dataclasses.replace(ngram, lookahead=0)
-    width, levels = opts.lookahead
+    width, levels, nodes = opts.lookahead
     return dataclasses.replace(
-        ngram, lookahead=width, lookahead_levels=levels, lookahead_policy=spec.lookahead
-    )
+        ngram, lookahead=width, lookahead_levels=levels, lookahead_nodes=nodes,
+        lookahead_policy=spec.lookahead,
+    )  # fmt: skip
 
 
 def _lookahead_words(opts: BuildOptions) -> str:
-    width, levels = opts.lookahead
-    return f"{levels} rows of {width}"
+    width, levels, nodes = opts.lookahead
+    return f"{levels} rows of {width} beside {nodes} n-gram nodes"
 
 
 def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | None) -> str:

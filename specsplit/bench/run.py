@@ -50,7 +50,13 @@ from specsplit.bench.report import (
     write_plot,
 )
 from specsplit.bench.roofline import copy_bandwidth, weight_read_bound
-from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, EngineTuning, PipelineTuning
+from specsplit.config import (
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_LOOKAHEAD_LEVELS,
+    DEFAULT_LOOKAHEAD_NODES,
+    EngineTuning,
+    PipelineTuning,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +138,8 @@ class BenchOptions:
     draft_quantize: str = "auto"  # ... an int8 draft copy ("auto": on a CPU where the int8 kernel pays)
     dynamic_tree: tuple[int, int, int, int] | None = None  # (topk, width, budget, depth) of dynamic trees
     frspec_vocab: int = FRSPEC_VOCAB  # tokens the -frspec decoders' draft output layer scores
-    lookahead: tuple[int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS)  # -lookahead decoders' window
+    # the -lookahead decoders' window: (width, levels, n-gram nodes beside it)
+    lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from specsplit.config import DEFAULT_LOOKAHEAD
+from specsplit.config import DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES
 from specsplit.errors import ConfigError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -85,20 +85,21 @@ def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument(
         "--lookahead",
         default=None,
-        metavar="WIDTH[,LEVELS]|auto",
-        help="n-gram rounds carry a lookahead window of LEVELS rows (default 3) of WIDTH guesses whose "
-        "outputs propose n-grams the target wrote itself; 0: none. Pays on a GPU with --cuda-graphs, "
+        metavar="WIDTH[,LEVELS[,NODES]]|auto",
+        help=f"n-gram rounds carry a lookahead window of LEVELS rows (default {DEFAULT_LOOKAHEAD_LEVELS}) "
+        "of WIDTH guesses whose outputs propose n-grams the target wrote itself, beside NODES n-gram "
+        f"nodes (default {DEFAULT_LOOKAHEAD_NODES}); 0: none. Pays on a GPU with --cuda-graphs, "
         f"not on a CPU (default: auto, {DEFAULT_LOOKAHEAD} wide where the target replays CUDA graphs, "
         "else none)",
     )
 
 
 def lookahead_overrides(text: str | None) -> dict[str, Any]:
-    """``--lookahead WIDTH[,LEVELS]`` (or ``auto``) as :class:`~specsplit.config.NgramConfig` fields
-    (none when unset).
+    """``--lookahead WIDTH[,LEVELS[,NODES]]`` (or ``auto``) as :class:`~specsplit.config.NgramConfig`
+    fields (``lookahead``, ``lookahead_levels``, ``lookahead_nodes``; none when unset).
 
     Raises:
-        ConfigError: neither ``auto`` nor one or two integers.
+        ConfigError: neither ``auto`` nor one to three integers.
     """
     if text is None:
         return {}
@@ -108,9 +109,10 @@ def lookahead_overrides(text: str | None) -> dict[str, Any]:
         parts = [int(x) for x in text.split(",")]
     except ValueError:
         parts = []
-    if len(parts) not in (1, 2):
-        raise ConfigError(f"--lookahead wants WIDTH or WIDTH,LEVELS (integers) or auto, got {text!r}")
-    return {"lookahead": parts[0]} | ({"lookahead_levels": parts[1]} if len(parts) == 2 else {})
+    if len(parts) not in (1, 2, 3):
+        raise ConfigError(f"--lookahead wants WIDTH[,LEVELS[,NODES]] (integers) or auto, got {text!r}")
+    names = ("lookahead", "lookahead_levels", "lookahead_nodes")
+    return dict(zip(names, parts, strict=False))
 
 
 def add_tuning_flags(p: argparse.ArgumentParser, pipeline: bool = False) -> None:
