@@ -15,7 +15,10 @@ depend on the device.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -91,6 +94,11 @@ def main() -> None:
         "",
         f"Teacher-forced over the target's own greedy answers ({args.new_tokens} tokens) to "
         f"{len(rows)} bench prompts ({', '.join(FREE_TEXT)}); float32.",
+        "",
+        f"- date (UTC): {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}; machine: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        f"- command: `python benchmarks/early_exit.py --target {args.target} --per-category "
+        f"{args.per_category} --new-tokens {args.new_tokens} --threads {args.threads} --tag {args.tag}`",
         "",
         f"| layers run (of {n_layers}) | share of a step's layers | agrees with the target |",
         "|---:|---:|---:|",
