@@ -143,10 +143,14 @@ def test_drafted_host_trees_skip_the_checks_meant_for_trees_from_outside(llama_t
     from specsplit.engines.target import TargetEngine
     from specsplit.errors import InvalidRequest
     from specsplit.messages import VerifyRequest
+    from specsplit.remote.convert import verify_request_from_proto, verify_request_to_proto
 
     tree, _ = proposal_tree(Proposal([4, 5], [-1, 0], [1, 2], [0.9, 0.8]), 4, 16, True)
     assert tree.trusted and tree.to("cpu").trusted
     assert not TokenTree(tree.token_ids, tree.parents, tree.depths, tree.log_probs).trusted
+    # the flag never crosses gRPC: a worker checks every tree it receives
+    wire = verify_request_to_proto(VerifyRequest("s", tree, [5], 0))
+    assert not verify_request_from_proto(wire).tree.trusted
     calls = {"validate": 0}
     orig = TokenTree.validate
 
