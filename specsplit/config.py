@@ -367,6 +367,13 @@ class TargetConfig:
         max_context: most tokens a session (prompt and generation) may hold.
         stateless: keep no KV between requests (every request carries the full context).
         specpv: SpecPV partial verification for long contexts (opt-in, lossy; eager path only).
+        draft_heads: a directory of draft heads trained for this target (``specsplit heads train``,
+            :mod:`specsplit.runtime.heads`): after every verification the target also guesses the
+            next tokens from its own hidden state, and the n-gram drafters' rounds verify those
+            guesses too (lossless: they are only proposals). The target's output layer is wrapped in
+            place to keep its hidden states. ``None``: no heads.
+        draft_heads_nodes: tree nodes the heads' guesses take in a round (their most likely rank
+            paths).
     """
 
     model: str | None = None
@@ -384,6 +391,8 @@ class TargetConfig:
     max_context: int = 32768
     stateless: bool = False
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
+    draft_heads: str | None = None
+    draft_heads_nodes: int = 16
     tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
@@ -391,6 +400,12 @@ class TargetConfig:
         self.specpv = SpecPVConfig.from_any(self.specpv)
         if self.max_context < 2:
             raise ConfigError(f"target.max_context must be >= 2, got {self.max_context}")
+        top = self.max_tree_nodes if self.draft_heads is not None else self.draft_heads_nodes
+        if not 1 <= self.draft_heads_nodes <= top:
+            raise ConfigError(
+                f"target.draft_heads_nodes must be in [1, max_tree_nodes={self.max_tree_nodes}], "
+                f"got {self.draft_heads_nodes}"
+            )
 
 
 # The lookahead window ``NgramConfig(lookahead="auto")`` runs where the target replays CUDA graphs, and

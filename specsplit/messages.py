@@ -185,6 +185,20 @@ class VerifyRequest:
 
 
 @dataclass
+class HeadGuesses:
+    """What the target's draft heads guess after a round's ``next_token_id``: tree nodes below it
+    (:mod:`specsplit.runtime.heads`), for the next round's tree.
+
+    Attributes:
+        token_ids / parents / depths: the nodes (parents index this list; -1: below the next token).
+    """
+
+    token_ids: list[int]
+    parents: list[int]
+    depths: list[int]
+
+
+@dataclass
 class VerifyResult:
     """Outcome of one verification round.
 
@@ -200,6 +214,9 @@ class VerifyResult:
         choices: with ``return_choices``, `N + 1` token ids: the target's token after the last
             pending token, then after each node (its argmax; under sampling its position-keyed
             draw). None when not asked, or where a tree drawn from ``q`` was rejection-sampled.
+        guesses: a target with draft heads (``TargetConfig.draft_heads``): their guesses after
+            ``next_token_id``. None without heads, and on paths that do not run them (SpecPV,
+            batched rounds, remote workers' client loops).
     """
 
     accepted_token_ids: list[int]
@@ -213,6 +230,7 @@ class VerifyResult:
     scores: Any = None  # torch.Tensor | None
     logits: Any = None  # torch.Tensor | None
     choices: list[int] | None = None
+    guesses: HeadGuesses | None = None
 
     @property
     def acceptance_rate(self) -> float:

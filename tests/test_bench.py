@@ -449,8 +449,11 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], opts)
     try:
         plain_prefill = {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need --cuda-graphs
-        built = [n for n in OPTIONAL_DECODERS if n not in plain_prefill]
-        assert [d.name for d in decs] == ["specsplit-dynamic", *built] and set(skipped) == plain_prefill
+        heads = {n for n in OPTIONAL_DECODERS if n.startswith("specsplit-heads")}  # need --draft-heads
+        built = [n for n in OPTIONAL_DECODERS if n not in plain_prefill | heads]
+        assert [d.name for d in decs] == ["specsplit-dynamic", *built] and set(
+            skipped
+        ) == plain_prefill | heads
         assert "torch.compile" not in decs[0].label and not decs[0].shape_warmup
         for d in decs[1:]:
             if not d.name.endswith(
@@ -683,6 +686,7 @@ _OPTIONAL_NAMES = (
     "specsplit-ngram", "specsplit-ngram-compiled", "specsplit-suffix", "specsplit-suffix-compiled",
     "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
     "specsplit-lookahead", "specsplit-lookahead-compiled", "specsplit-lookahead-always-compiled",
+    "specsplit-heads", "specsplit-heads-always-compiled", "specsplit-heads-lookahead-always-compiled",
     "specsplit-auto-lookahead-compiled", "specsplit-auto-chain", "specsplit-auto-chain-compiled",
     "specsplit-auto-chain-lookahead-compiled", "specsplit-auto-chain-lookahead-always-compiled",
     "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
@@ -700,7 +704,7 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert spec.name == name
         assert spec.drafter == next(
             (d for d in ("ngram", "suffix", "hybrid", "auto") if f"-{d}" in name),
-            "ngram" if "-lookahead" in name else "model",
+            "ngram" if "-lookahead" in name or "-heads" in name else "model",
         )
         assert (spec.kind == "hf") == name.startswith("hf-")
         if spec.kind == "hf":
@@ -724,7 +728,9 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("without a draft" in label) == spec.target_only == ("target-only" in name), name
         assert ("(FR-Spec)" in label) == spec.draft_vocab == ("-frspec" in name), name
         assert ("lookahead window" in label) == bool(spec.lookahead) == ("-lookahead" in name), name
-        assert ("in every n-gram round" in label) == (spec.lookahead == "always") == ("-always" in name), name
+        always = "always" in (spec.lookahead, spec.heads)
+        assert ("in every n-gram round" in label) == always == ("-always" in name), name
+        assert ("draft heads" in label) == bool(spec.heads) == ("-heads" in name), name
         model_tree = (
             "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
         )  # drafters: the dynamic tree
@@ -742,7 +748,8 @@ def test_spec_fields_drive_the_built_config() -> None:
     local = [n for n, s in DECODERS.items() if s.kind == "specsplit" and not s.grpc]
     decs, skipped = build_decoders(m, local, BuildOptions(k=3))
     try:
-        assert set(skipped) == {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need graphs
+        heads = {n for n in local if n.startswith("specsplit-heads")}  # need --draft-heads
+        assert set(skipped) == {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"} | heads
         for d in decs:
             spec, cfg = DECODERS[d.name], d.config
             assert cfg.draft.compile == cfg.target.compile == spec.compile, d.name
@@ -978,3 +985,32 @@ def test_plot_bars_are_ratios_to_our_target_only_decode_in_a_run_without_hf() ->
     with_hf["hf-target"] = {"overall": {}, "by_category": {}}
     label, bars = speedup_bars(with_hf, decs, ["all"])
     assert "HF generate()" in label and bars["specsplit-ngram-compiled"] == [2.0]
+
+
+def test_heads_decoders_run_the_targets_draft_heads_on_a_copy(tmp_path) -> None:
+    """``--draft-heads``: the -heads decoders' target runs the heads (on a copy of the model, so the
+    other decoders' target keeps its own output layer) and commits target-only's tokens."""
+    import torch
+
+    from specsplit.bench.decoders import build_decoders, load_models
+    from specsplit.runtime.heads import DraftHeads, HeadsInfo, HiddenTap, save_heads
+
+    m = load_models(tiny=True, device="cpu")
+    w = m.specsplit_target.get_output_embeddings().weight
+    acc = [[0.4, 0.2], [0.3, 0.1]]
+    path = save_heads(
+        DraftHeads(2, w.shape[1]), HeadsInfo(2, w.shape[1], w.shape[0], rank_accuracy=acc), tmp_path
+    )
+    opts = BuildOptions(draft_heads=str(path), heads_nodes=4)
+    decs, skipped = build_decoders(m, ["specsplit-target-only", "specsplit-heads"], opts)
+    try:
+        assert not skipped and [d.name for d in decs] == ["specsplit-target-only", "specsplit-heads"]
+        assert decs[1].config.target.draft_heads == str(path) and decs[1].config.target.draft_heads_nodes == 4
+        assert decs[1].config.tuning.ngram.lookahead == 0  # guesses without a window
+        ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17]])
+        ref, got = decs[0].run(ids, 24), decs[1].run(ids, 24)
+        assert got.tokens == ref.tokens
+        assert not isinstance(m.specsplit_target.get_output_embeddings(), HiddenTap)
+    finally:
+        for d in decs:
+            d.close()

@@ -286,8 +286,10 @@ def test_no_hidden_host_syncs_in_a_round(
         torch.cuda.synchronize()
         reads["n"] = 0
         # first round prefills (host work allowed); check the steady-state rounds
-        out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
-        torch.cuda.set_sync_debug_mode(0)
+        try:
+            out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
+        finally:  # a failure must not leave the check armed for the tests after this one
+            torch.cuda.set_sync_debug_mode(0)
     assert reads["n"] == len(stats.rounds)
 
 
@@ -594,8 +596,10 @@ def test_no_hidden_host_syncs_with_a_repetition_penalty(
         params = DecodeParams(max_new_tokens=24, tree=cfg.tree, processing=spec, draft_processing=spec)
         torch.cuda.synchronize()
         outcome_reads["n"] = 0
-        out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
-        torch.cuda.set_sync_debug_mode(0)
+        try:
+            out, stats = decode(gen.transport, prompt, params, on_tokens=_arm_sync_check_after_first_round())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     assert outcome_reads["n"] == len(stats.rounds)
 
 
@@ -834,3 +838,52 @@ def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert reads["n"] == 2
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
+@pytest.mark.parametrize("window", [0, 4], ids=["heads", "heads-lookahead"])
+def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, window, outcome_reads):
+    """A target with draft heads on one-graph rounds (plain and compiled; beside a lookahead window
+    or not): HF greedy's tokens, the heads' guesses in the rounds, and still one device read a
+    steady-state round (the guesses ride on the outcome's copy)."""
+    import copy
+
+    from specsplit.config import NgramConfig
+    from specsplit.pipeline import DecodeParams, decode
+    from specsplit.runtime.heads import DraftHeads, HeadsInfo, save_heads
+
+    torch.manual_seed(0)
+    w = llama_target.get_output_embeddings().weight
+    heads = DraftHeads(3, w.shape[1])
+    with torch.no_grad():
+        heads.weight.normal_(0, 0.05)
+    acc = [[0.5 / (r + 1) / (k + 1) for r in range(4)] for k in range(3)]
+    path = save_heads(heads, HeadsInfo(3, w.shape[1], w.shape[0], rank_accuracy=acc), tmp_path / "heads")
+    _, tdev = _devices()
+    target = copy.deepcopy(llama_target).to(tdev)
+    ngram = NgramConfig(lookahead=window, lookahead_policy="always")
+    cfg = SpecSplitConfig(
+        drafter="ngram",
+        target=TargetConfig(
+            device=tdev, dtype="float32", cuda_graphs=True, compile=compile, draft_heads=str(path),
+            draft_heads_nodes=8, tuning=EngineTuning(graph_capacity=512),
+        ),
+        tuning=PipelineTuning(ngram=ngram),
+    )  # fmt: skip
+    ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17, 33, 81]])
+    ref = llama_target.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=0)
+    with SpecSplitGenerator(target, None, config=cfg) as gen:
+        for _ in range(2):
+            out = gen.generate(ids, max_new_tokens=48, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref)
+            assert out.spec_stats.rounds_by_drafter().get("heads", 0) > 0
+        params = DecodeParams(max_new_tokens=24, drafter="ngram", ngram=gen._ngram)
+        torch.cuda.synchronize()
+        outcome_reads["n"] = 0
+        try:
+            _, stats = decode(
+                gen.transport, ids[0].tolist(), params, on_tokens=_arm_sync_check_after_first_round()
+            )
+        finally:  # a failure must not leave the check armed for the tests after this one
+            torch.cuda.set_sync_debug_mode(0)
+    assert outcome_reads["n"] == len(stats.rounds)

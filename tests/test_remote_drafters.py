@@ -97,3 +97,35 @@ def test_lookahead_over_grpc_equals_local(target_model, loop: str) -> None:
     assert out.spec_stats.accepted_counts() == ref.spec_stats.accepted_counts()
     assert out.spec_stats.rounds_by_drafter() == ref.spec_stats.rounds_by_drafter()
     assert ref.spec_stats.rounds_by_drafter().get("lookahead", 0) > 0
+
+
+@pytest.mark.parametrize("loop", ["client", "target"])
+def test_a_target_worker_with_draft_heads(target_model, tmp_path, loop: str) -> None:
+    """``specsplit serve target --draft-heads DIR``: a worker running the rounds verifies its heads'
+    guesses with the n-gram nodes (rounds say ``heads``); a client loop gets no guesses over gRPC and
+    drafts n-grams alone. Both commit HF greedy's tokens."""
+    import copy
+
+    from specsplit.config import TargetConfig
+    from specsplit.runtime.heads import DraftHeads, HeadsInfo, save_heads
+
+    w = target_model.get_output_embeddings().weight
+    torch.manual_seed(0)
+    heads = DraftHeads(2, w.shape[1])
+    with torch.no_grad():
+        heads.weight.normal_(0, 0.05)
+    path = save_heads(
+        heads, HeadsInfo(2, w.shape[1], w.shape[0], rank_accuracy=[[0.5, 0.2], [0.3, 0.1]]), tmp_path
+    )
+    ids = torch.tensor([PROMPT])
+    ref = target_model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    engine = TargetEngine(
+        copy.deepcopy(target_model), TargetConfig(draft_heads=str(path), draft_heads_nodes=4)
+    )
+    with serve_target(engine) as srv:
+        cfg = SpecSplitConfig(transport="grpc", target_address=srv.address, drafter="ngram", grpc_loop=loop)
+        with SpecSplitGenerator(config=cfg) as gen:
+            out = gen.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    by = out.spec_stats.rounds_by_drafter()
+    assert (by.get("heads", 0) > 0) == (loop == "target"), by

@@ -153,6 +153,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         f"(NgramConfig.lookahead / lookahead_levels / lookahead_nodes; default {DEFAULT_LOOKAHEAD},"
         f"{DEFAULT_LOOKAHEAD_LEVELS},{DEFAULT_LOOKAHEAD_NODES})",
     )
+    p.add_argument(
+        "--draft-heads",
+        default=None,
+        metavar="DIR",
+        help="draft heads of the target for the -heads decoders (`specsplit heads train`); without it "
+        "they are skipped",
+    )
+    p.add_argument("--heads-nodes", type=int, default=16, help="tree nodes the heads' guesses take a round")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--prompts",
@@ -278,6 +286,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--frspec-vocab", str(args.frspec_vocab)]
     if _lookahead(args.lookahead) != (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES):
         parts += ["--lookahead", args.lookahead]
+    if args.draft_heads:
+        parts += ["--draft-heads", args.draft_heads, "--heads-nodes", str(args.heads_nodes)]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -341,6 +351,8 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         draft_quantize=args.draft_quantize,
         frspec_vocab=args.frspec_vocab,
         lookahead=_lookahead(args.lookahead),
+        draft_heads=args.draft_heads,
+        heads_nodes=args.heads_nodes,
     )
 
 

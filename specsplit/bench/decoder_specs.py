@@ -42,6 +42,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "draft_placement": ("same", "overlap-device"),
     "drafter": DRAFTERS,
     "lookahead": ("", "adaptive", "always"),
+    "heads": ("", "adaptive", "always"),
 }
 
 
@@ -84,6 +85,8 @@ class DecoderSpec:
             (``DraftConfig.vocab_subset``, FR-Spec).
         lookahead: n-gram rounds carry a lookahead window (``NgramConfig.lookahead``, the run's
             ``--lookahead`` width) under its ``"adaptive"`` or ``"always"`` policy; ``""``: none.
+        heads: the target runs the run's ``--draft-heads`` and n-gram rounds carry their guesses
+            (fixed rounds) under the ``"adaptive"`` or ``"always"`` policy; ``""``: no heads.
     """
 
     name: str
@@ -105,6 +108,7 @@ class DecoderSpec:
     tree_ipc: bool = True
     draft_vocab: bool = False
     lookahead: str = ""
+    heads: str = ""
 
     def __post_init__(self) -> None:
         for field_name, allowed in _CHOICES.items():
@@ -149,6 +153,7 @@ _HYBRID = "SpecSplit local, {tree} with n-gram nodes merged in"
 _AUTO = "SpecSplit local, the cost model's choice each round (none, n-gram, {tree} or both)"
 _LOOKAHEAD = "n-gram rounds with a lookahead window of {lookahead}"
 _ALWAYS = "in every n-gram round"
+_HEADS = "the target's draft heads' guesses ({heads})"
 _FRSPEC = "draft output layer over the {vocab} best-ranked tokens (FR-Spec)"
 
 # In run order: results list decoders in this order. The default set first, then the optional ones:
@@ -228,6 +233,14 @@ _TABLE = (
                 lookahead="adaptive", compile=True),
     DecoderSpec("specsplit-lookahead-always-compiled", f"{_NGRAM}, {_LOOKAHEAD} {_ALWAYS}, {_COMPILED}",
                 drafter="ngram", lookahead="always", compile=True),
+    # The target's draft heads (TargetConfig.draft_heads, `--draft-heads`): their guesses in every
+    # n-gram round, beside the n-gram nodes, without and with the lookahead window.
+    DecoderSpec("specsplit-heads", f"{_NGRAM}, {_HEADS}", drafter="ngram", heads="adaptive"),
+    DecoderSpec("specsplit-heads-always-compiled", f"{_NGRAM}, {_HEADS} {_ALWAYS}, {_COMPILED}",
+                drafter="ngram", heads="always", compile=True),
+    DecoderSpec("specsplit-heads-lookahead-always-compiled",
+                f"{_NGRAM}, {_HEADS} and a lookahead window of {{lookahead}} {_ALWAYS}, {_COMPILED}",
+                drafter="ngram", heads="always", lookahead="always", compile=True),
     # auto with lookahead, the dynamic tree as the model's
     DecoderSpec("specsplit-auto-lookahead-compiled", f"{_AUTO}, {_LOOKAHEAD}, {_COMPILED}", tree="dynamic",
                 drafter="auto", lookahead="adaptive", compile=True),

@@ -229,6 +229,8 @@ class BuildOptions:
             :class:`TreeConfig`'s).
         frspec_vocab: tokens the ``-frspec`` decoders' draft output layer scores.
         lookahead: ``(width, levels, n-gram nodes)`` of the ``-lookahead`` decoders' rounds.
+        draft_heads: the ``-heads`` decoders' draft heads directory (``None``: they are skipped).
+        heads_nodes: tree nodes their guesses take a round (``TargetConfig.draft_heads_nodes``).
     """
 
     k: int = 4
@@ -241,6 +243,8 @@ class BuildOptions:
     dynamic_tree: tuple[int, int, int, int] | None = None
     frspec_vocab: int = FRSPEC_VOCAB
     lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
+    draft_heads: str | None = None
+    heads_nodes: int = 16
 
 
 @dataclass
@@ -301,9 +305,10 @@ def _plan(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: bool) -> 
 def _ngram_settings(opts: BuildOptions, spec: DecoderSpec) -> NgramConfig:
     """The run's n-gram settings, with the spec's lookahead window (the run's width) or none."""
     ngram = opts.pipeline.ngram
-    if not spec.lookahead:
-        return dataclasses.replace(ngram, lookahead=0)
     width, levels, nodes = opts.lookahead
+    if not spec.lookahead:  # fixed rounds for the heads' guesses only, beside as many n-gram nodes
+        policy = spec.heads or ngram.lookahead_policy
+        return dataclasses.replace(ngram, lookahead=0, lookahead_nodes=nodes, lookahead_policy=policy)
     return dataclasses.replace(
         ngram, lookahead=width, lookahead_levels=levels, lookahead_nodes=nodes,
         lookahead_policy=spec.lookahead,
@@ -319,7 +324,7 @@ def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | 
     """The spec's label filled in, plus the words the run's flags add to a SpecSplit decoder."""
     tree = plan.tree if plan is not None else _trees(opts)[spec.tree]
     text = spec.label.format(k=opts.k, lookup=PROMPT_LOOKUP_TOKENS, vocab=opts.frspec_vocab,
-                             lookahead=_lookahead_words(opts),
+                             lookahead=_lookahead_words(opts), heads=f"{opts.heads_nodes} nodes",
                              tree=_tree_words(tree), device=m.device,
                              draft_device=plan.draft_device if plan is not None else m.draft_device)  # fmt: skip
     if plan is None:
@@ -434,9 +439,15 @@ def _grpc_decoder(m: BenchModels, spec: DecoderSpec, plan: _Plan, label: str) ->
     return _specsplit_decoder(spec.name, label, m, gen, close, plan.graphs or plan.compile)
 
 
-def _local_decoder(m: BenchModels, spec: DecoderSpec, plan: _Plan, label: str) -> Decoder:
+def _local_decoder(
+    m: BenchModels, spec: DecoderSpec, plan: _Plan, label: str, opts: BuildOptions | None = None
+) -> Decoder:
     from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig
     from specsplit.generator import SpecSplitGenerator
+
+    target, heads, nodes = m.specsplit_target, None, 16
+    if spec.heads and opts is not None and opts.draft_heads:
+        target, heads, nodes = m.heads_target(), opts.draft_heads, opts.heads_nodes
 
     cfg = SpecSplitConfig(
         drafter=spec.drafter,
@@ -448,10 +459,16 @@ def _local_decoder(m: BenchModels, spec: DecoderSpec, plan: _Plan, label: str) -
             tuning=plan.draft_tuning,
             vocab_subset=plan.vocab_subset,
         ),  # fmt: skip
-        target=TargetConfig(cuda_graphs=plan.graphs, compile=plan.compile, tuning=plan.target_tuning),
+        target=TargetConfig(
+            cuda_graphs=plan.graphs,
+            compile=plan.compile,
+            tuning=plan.target_tuning,
+            draft_heads=heads,
+            draft_heads_nodes=nodes,
+        ),  # fmt: skip
         overlap=spec.overlap,
     )
-    gen = SpecSplitGenerator(m.specsplit_target, plan.draft, tokenizer=m.tokenizer, config=cfg)
+    gen = SpecSplitGenerator(target, plan.draft, tokenizer=m.tokenizer, config=cfg)
     return _specsplit_decoder(spec.name, label, m, gen, gen.close, plan.graphs or plan.compile)
 
 
@@ -480,6 +497,8 @@ def build_decoder(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: b
     check_buildable(spec)
     if spec.needs_draft and m.draft is None:
         return "no draft model"
+    if spec.heads and not opts.draft_heads:
+        return "no draft heads (--draft-heads DIR, trained with `specsplit heads train`)"
     if spec.kind == "hf":
         assert spec.hf_mode is not None
         return _hf_decoder(spec.name, _label(m, spec, opts, None), m, spec.hf_mode, opts.k)
@@ -489,7 +508,7 @@ def build_decoder(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: b
     label = _label(m, spec, opts, plan)
     if spec.grpc:
         return _grpc_decoder(m, spec, plan, label)
-    return _local_decoder(m, spec, plan, label)
+    return _local_decoder(m, spec, plan, label, opts)
 
 
 def build_decoders(

@@ -34,6 +34,7 @@ class BenchModels:
     int8_draft: bool = False  # ... and an int8 copy of the draft (use_cpu_weights)
     own_target: Any = None  # the SpecSplit decoders' copies (fused or packed), None: the originals
     own_draft: Any = None
+    own_heads_target: Any = None  # the -heads decoders' copy of the target (heads_target)
 
     @property
     def specsplit_target(self) -> Any:
@@ -44,6 +45,21 @@ class BenchModels:
     def specsplit_draft(self) -> Any:
         """The draft the SpecSplit decoders run (their own copy once fused or packed)."""
         return self.own_draft if self.own_target is not None else self.draft
+
+    def heads_target(self) -> Any:
+        """The -heads decoders' own copy of the SpecSplit target (rewritten as it is): draft heads
+        wrap a target's output layer, which the other decoders' target keeps as it is."""
+        if self.own_heads_target is None:
+            from specsplit.runtime.fused import fuse_projections
+            from specsplit.runtime.packed import pack_linears
+
+            target = copy.deepcopy(self.target)
+            if self.fused:
+                fuse_projections(target)
+            elif self.packed:
+                pack_linears(target)
+            self.own_heads_target = target
+        return self.own_heads_target
 
     def use_overlap_device(self, device: str) -> None:
         """Give the overlapped decoders their own draft copy on ``device`` (e.g. a second GPU)."""

@@ -140,6 +140,8 @@ class BenchOptions:
     frspec_vocab: int = FRSPEC_VOCAB  # tokens the -frspec decoders' draft output layer scores
     # the -lookahead decoders' window: (width, levels, n-gram nodes beside it)
     lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
+    draft_heads: str | None = None  # the -heads decoders' heads directory
+    heads_nodes: int = 16  # tree nodes their guesses take a round
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
@@ -148,6 +150,7 @@ class BenchOptions:
             compile=self.compile,
             tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
             dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab, lookahead=self.lookahead,
+            draft_heads=self.draft_heads, heads_nodes=self.heads_nodes,
         )  # fmt: skip
 
 
@@ -450,6 +453,8 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "dynamic_tree": list(opts.dynamic_tree) if opts.dynamic_tree else None,
             "frspec_vocab": opts.frspec_vocab,
             "lookahead": list(opts.lookahead),
+            "draft_heads": opts.draft_heads,
+            "heads_nodes": opts.heads_nodes,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
             "grpc_workers": opts.grpc_workers,

@@ -94,6 +94,33 @@ def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
     )
 
 
+def add_heads_flags(p: argparse.ArgumentParser) -> None:
+    """``--draft-heads DIR`` / ``--draft-heads-nodes N``: the target's draft heads
+    (``TargetConfig.draft_heads`` / ``draft_heads_nodes``)."""
+    p.add_argument(
+        "--draft-heads",
+        default=None,
+        metavar="DIR",
+        help="draft heads trained for the target (`specsplit heads train`): the target guesses the next "
+        "tokens from its own hidden state after every round, and the n-gram drafters' rounds verify "
+        "those guesses too (lossless)",
+    )
+    p.add_argument(
+        "--draft-heads-nodes", type=int, default=None, metavar="N", help="tree nodes the guesses take (16)"
+    )
+
+
+def heads_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~specsplit.config.TargetConfig` fields ``--draft-heads`` and
+    ``--draft-heads-nodes`` set (none when unset)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "draft_heads", None) is not None:
+        out["draft_heads"] = args.draft_heads
+    if getattr(args, "draft_heads_nodes", None) is not None:
+        out["draft_heads_nodes"] = args.draft_heads_nodes
+    return out
+
+
 def lookahead_overrides(text: str | None) -> dict[str, Any]:
     """``--lookahead WIDTH[,LEVELS[,NODES]]`` (or ``auto``) as :class:`~specsplit.config.NgramConfig`
     fields (``lookahead``, ``lookahead_levels``, ``lookahead_nodes``; none when unset).

@@ -13,12 +13,14 @@ from specsplit.cli.common import (
     add_draft_flags,
     add_drafter_flag,
     add_engine_flags,
+    add_heads_flags,
     add_tuning_flags,
     apply_engine_overrides,
     apply_pipeline_overrides,
     check_engine_flags,
     draft_overrides,
     engine_overrides,
+    heads_overrides,
     lookahead_overrides,
 )
 
@@ -37,6 +39,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "suffix: also earlier generations), both in one tree (hybrid), or a measured choice per round "
         "(auto, the default: n-gram trees, and the --draft model where it pays)",
     )
+    add_heads_flags(p)
     p.add_argument(
         "--tree", choices=["chain", "static", "dynamic"], default=None, help="shape of the draft tree"
     )
@@ -123,6 +126,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     given = draft_overrides(args)
     if given:
         cfg.draft = dataclasses.replace(cfg.draft, **given)  # validated again
+    heads = heads_overrides(args)
+    if heads:
+        cfg.target = dataclasses.replace(cfg.target, **heads)  # validated again
     apply_pipeline_overrides(cfg, args)
     if args.overlap:
         if cfg.drafter != "model":

@@ -16,6 +16,7 @@ machines. The output is exactly the target's (greedy) or follows its distributio
   specsplit serve target --model qwen2.5-coder-1.5b     run an engine as a gRPC worker
   specsplit models fetch qwen2.5-coder-pair             fetch offline weights into the cache
   specsplit bench --suite quick                         compare against Hugging Face baselines
+  specsplit heads train --out heads/                    train draft heads for the target (GPU)
 """
 
 # Sub-command modules, each with add_cli(subparsers), loaded by name: `serve` needs the grpc extra, and
@@ -25,6 +26,7 @@ COMMANDS = {
     "generate": "specsplit.cli.generate",
     "serve": "specsplit.cli.serve",
     "models": "specsplit.cli.models",
+    "heads": "specsplit.cli.heads",
     "bench": "specsplit.bench.cli",
 }
 

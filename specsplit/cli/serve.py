@@ -24,10 +24,12 @@ from specsplit.cli.common import (
     add_draft_flags,
     add_drafter_flag,
     add_engine_flags,
+    add_heads_flags,
     add_tuning_flags,
     check_engine_flags,
     draft_overrides,
     engine_overrides,
+    heads_overrides,
     lookahead_overrides,
 )
 
@@ -133,6 +135,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "request names none: the draft worker's model (default), or n-gram drafting on this worker itself "
         "(ngram, suffix: no draft worker needed), or both (hybrid, auto)",
     )
+    add_heads_flags(p)
     p.add_argument(
         "--max-batch",
         type=int,
@@ -403,6 +406,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_tree_nodes=args.max_tree_nodes,
             max_tree_depth=args.max_tree_depth,
             max_context=args.max_context,
+            **heads_overrides(args),
             **common,
         )
         engine = TargetEngine(_load(args, tcfg), config=tcfg)

@@ -56,8 +56,9 @@ class RoundPlan:
         expected: predicted tokens committed.
         seconds: predicted round time.
         probe: chosen to measure an arm, not because it looked best.
-        lookahead: a lookahead round (n-gram nodes and a Jacobi window; chosen by the lookahead
-            A/B policy, not by the planner).
+        lookahead: a fixed round (n-gram nodes, a Jacobi window and/or the target's draft-head
+            guesses; chosen by the lookahead A/B policy, not by the planner).
+        heads: a fixed round that carries the target's draft-head guesses.
     """
 
     model: bool
@@ -66,11 +67,12 @@ class RoundPlan:
     seconds: float = 0.0
     probe: bool = False
     lookahead: bool = False
+    heads: bool = False
 
     @property
     def arm(self) -> str:
         if self.lookahead:
-            return "lookahead"
+            return "heads" if self.heads else "lookahead"
         if self.model:
             return "hybrid" if self.ngram_size else "model"
         return "ngram" if self.ngram_size else "none"

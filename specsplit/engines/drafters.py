@@ -18,6 +18,10 @@ transport). The drafters here run on the host, beside the round loop:
   (:mod:`specsplit.core.lookahead`, :func:`lookahead_tree`). On by default where the target replays
   CUDA graphs (``lookahead="auto"``), in every n-gram round, or under an A/B policy that keeps it
   only while its rounds commit tokens faster than the planner's (``lookahead_policy="adaptive"``).
+- draft heads (``TargetConfig.draft_heads``, :mod:`specsplit.runtime.heads`): a target with heads
+  returns their guesses with every verification (:class:`~specsplit.messages.HeadGuesses`); the
+  n-gram modes then verify them in the same fixed rounds as the window (:func:`lookahead_tree`),
+  under the same policy, beside the n-gram nodes.
 
 Every tree here is deterministic: ``q`` is one-hot on each node's token, so verification stays
 lossless under sampling (recursive rejection sampling accepts any tree whose ``q`` is exact).
@@ -30,6 +34,7 @@ exactly the size the round needs.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Protocol
 
 import torch
@@ -39,6 +44,7 @@ from specsplit.core.lookahead import LookaheadWindow
 from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
 from specsplit.core.tree import TokenTree
 from specsplit.engines.ab_policy import OverlapPolicy
+from specsplit.messages import HeadGuesses
 
 # Node counts an n-gram tree is padded to for a target on the CUDA-graph path (one graph each, and one
 # compile each under torch.compile): doubling sizes keep the padding below half a tree.
@@ -227,29 +233,52 @@ def _host_tree(
 
 
 def lookahead_tree(
-    proposal: Proposal, window: LookaheadWindow, size: int, depth_bound: int, fixed_bounds: bool
+    proposal: Proposal,
+    window: LookaheadWindow | None,
+    size: int,
+    depth_bound: int,
+    fixed_bounds: bool,
+    guesses: HeadGuesses | None = None,
 ) -> tuple[TokenTree, int]:
-    """A lookahead round's tree: the proposal's best nodes, the window's, padding up to ``size``.
+    """A fixed-size round's tree: the proposal's best nodes, the target's draft-head guesses, the
+    lookahead window's nodes, padding up to ``size``.
 
     Args:
         proposal: the round's n-gram candidates (prompt matches and pool n-grams).
-        window: the generation's lookahead window (its nodes follow the proposal's).
-        size: nodes of the tree (at least the window's).
+        window: the generation's lookahead window (its nodes follow the others), or None.
+        size: nodes of the tree (at least the guesses' and the window's).
         depth_bound / fixed_bounds: as :func:`proposal_tree`.
+        guesses: the draft heads' nodes from the last verification (:class:`HeadGuesses`), or None.
 
     Returns:
-        ``(tree, offset)``: ``offset`` is the index of the window's first node.
+        ``(tree, offset)``: ``offset`` is the index of the window's first node (-1: no window).
     """
-    top = proposal.top(size - window.num_nodes)
-    w_tokens, w_parents, w_depths = window.nodes()
-    off = top.num_nodes
-    pad = size - off - window.num_nodes
-    tokens = top.token_ids + w_tokens + [w_tokens[0]] * pad
-    parents = top.parents + [p + off if p >= 0 else -1 for p in w_parents] + [-1] * pad
-    depths = top.depths + w_depths + [1] * pad
+    g_tokens, g_parents, g_depths = (
+        (guesses.token_ids, guesses.parents, guesses.depths) if guesses else ([], [], [])
+    )
+    w_tokens, w_parents, w_depths = window.nodes() if window is not None else ([], [], [])
+    top = proposal.top(size - len(g_tokens) - len(w_tokens))
+    g_off = top.num_nodes
+    w_off = g_off + len(g_tokens)
+    pad = size - w_off - len(w_tokens)
+    filler = (w_tokens or g_tokens or top.token_ids or [0])[0]
+    tokens = top.token_ids + g_tokens + w_tokens + [filler] * pad
+    parents = (
+        top.parents
+        + [p + g_off if p >= 0 else -1 for p in g_parents]
+        + [p + w_off if p >= 0 else -1 for p in w_parents]
+        + [-1] * pad
+    )
+    depths = top.depths + g_depths + w_depths + [1] * pad
     # a window node has at most two children (the next guess of its row, its column's next row)
-    branch, deepest = max(top.max_branch, 2), max(top.max_depth, window.depth)
-    return _host_tree(tokens, parents, depths, branch, deepest, depth_bound, fixed_bounds), off
+    branch, deepest = top.max_branch, top.max_depth
+    if window is not None:
+        branch, deepest = max(branch, 2), max(deepest, window.depth)
+    if g_tokens:
+        kids = Counter(p for p in g_parents if p >= 0)
+        branch, deepest = max(branch, max(kids.values(), default=1)), max(deepest, max(g_depths))
+    tree = _host_tree(tokens, parents, depths, branch, deepest, depth_bound, fixed_bounds)
+    return tree, (w_off if window is not None else -1)
 
 
 def merge_trees(model: TokenTree, extra: TokenTree) -> TokenTree:

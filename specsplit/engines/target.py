@@ -27,6 +27,7 @@ from specsplit.engines.specpv import SpecPVStats
 from specsplit.engines.verifiers import FullVerifier, SpecPVVerifier, Verifier
 from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, SessionNotFound
 from specsplit.messages import VerifyRequest, VerifyResult, WorkerStats
+from specsplit.runtime.heads import TargetHeads
 from specsplit.runtime.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,23 @@ class TargetEngine(EngineBase[KVCacheState]):
             self._verifier = self._specpv = SpecPVVerifier(self, pv_cfg)
             if self.config.cuda_graphs:
                 logger.warning("SpecPV uses the eager verify path: cuda_graphs is ignored while SpecPV is on")
+        self.heads: TargetHeads | None = None
+        if self.runner.is_loaded:
+            self._load_heads()
+
+    def load_model(self) -> None:
+        super().load_model()
+        self._load_heads()
+
+    def _load_heads(self) -> None:
+        """The draft heads of ``config.draft_heads`` (before any forward is captured or compiled)."""
+        path = self.config.draft_heads
+        if path is None or self.heads is not None:
+            return
+        if self.runner.head is not None or self.config.device_map is not None:
+            raise ConfigError("draft heads need a target on one device with its own output layer")
+        rows = self.config.max_tree_nodes + 1  # a round's rows: the pending token's and every node's
+        self.heads = TargetHeads(self.runner.require(), path, self.config.draft_heads_nodes, rows)
 
     @property
     def device(self) -> torch.device:

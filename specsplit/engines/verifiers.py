@@ -42,7 +42,7 @@ from specsplit.core.verification import (
 from specsplit.engines.processing import device_scores
 from specsplit.engines.specpv import PartialVerifier
 from specsplit.errors import ConfigError, ResourceExhausted
-from specsplit.messages import VerifyResult, WorkerStats
+from specsplit.messages import HeadGuesses, VerifyResult, WorkerStats
 from specsplit.runtime.graphs import GraphedRound, StaticForward, kv_bucket
 from specsplit.runtime.kv_cache import StaticKVCache
 from specsplit.runtime.runner import h2d
@@ -263,6 +263,11 @@ class FullVerifier:
             proc.commit(ctx_len, tokens)
         result = _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
         result.choices = chosen
+        if eng.heads is not None:  # a second read, off the one-graph path only
+            row = h2d(
+                torch.tensor([nodes[-1] + 1 if nodes else 0], dtype=torch.long), eng.heads.tap.rows.device
+            )
+            result.guesses = HeadGuesses(*eng.heads.nodes(eng.heads.guesses(row).tolist()))
         if any(returns):
             rows = h2d(torch.tensor([0] + [i + 1 for i in nodes], dtype=torch.long), scores.device)
             if returns[0]:
@@ -305,13 +310,15 @@ class FullVerifier:
         if proc is not None:
             ctx_len = proc.begin(length, pending)
             device_args = (proc.presence(eng.runner.vocab_size, ctx_len),)
-        path, count, nxt, choice = rnd(
+        path, count, nxt, choice, guesses = rnd(
             pending[0], tree.token_ids, tree.parents, tree.depths, length, device_args=device_args
         )
         if rnd.graph is not None:  # a replay (after a capture that ran the body 3 times): one forward
             eng.runner.forward_count = forwards + 1
         outcome = VerifyOutcome(path, count, nxt, choice=choice)
-        nodes, tokens, next_token = outcome.to_host(rnd.inputs[1], choices=choices)  # the one sync
+        nodes, tokens, next_token = outcome.to_host(
+            rnd.inputs[1], extra=guesses, choices=choices
+        )  # the one sync
         m = len(nodes)
         cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one
         if proc is not None:
@@ -321,6 +328,8 @@ class FullVerifier:
         stats.forwards += 1
         result = _result(tokens, next_token, nodes, length + 1 + m, max_depth, n)
         result.choices = outcome.choices_host
+        if eng.heads is not None:
+            result.guesses = HeadGuesses(*eng.heads.nodes(outcome.extra_host))
         return result
 
     def _build_round(
@@ -337,6 +346,7 @@ class FullVerifier:
         dev = self.engine.device
         steps = torch.arange(max_depth, device=dev)
         stages = None if proc is None else proc.stages
+        heads = self.engine.heads
 
         def body(
             pend: torch.Tensor,
@@ -345,7 +355,7 @@ class FullVerifier:
             dep: torch.Tensor,
             ctx: torch.Tensor,
             *present: torch.Tensor,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
             pos, block = one_pending_layout(par, dep, ctx)
             logits = static.forward_at(buf, torch.cat([pend, tok]), pos, ctx, block)
             tree = TokenTree(tok, par, dep, torch.zeros(n, device=dev))
@@ -355,7 +365,14 @@ class FullVerifier:
             if max_depth:  # the accepted nodes' slots follow the pending token's (padding: beyond)
                 cache.move_slots(ctx + 1 + outcome.path.clamp_min(0), ctx + 1 + steps)
             assert outcome.choice is not None  # greedy: the rows' argmax
-            return outcome.path, outcome.num_accepted, outcome.next_token, outcome.choice
+            guesses = None
+            if heads is not None:  # from the row that decided the next token
+                row = outcome.num_accepted.new_zeros(1)
+                if max_depth:
+                    last = outcome.path.index_select(0, (outcome.num_accepted - 1).clamp_min(0).view(1))
+                    row = torch.where(outcome.num_accepted > 0, last + 1, row)
+                guesses = heads.guesses(row)
+            return outcome.path, outcome.num_accepted, outcome.next_token, outcome.choice, guesses
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)
         ctx = torch.zeros((), dtype=torch.long)

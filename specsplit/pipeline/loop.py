@@ -40,7 +40,7 @@ from specsplit.engines.drafters import (
     tree_size,
 )
 from specsplit.errors import CacheDesyncError, ConfigError, SessionNotFound, TransportError
-from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult
+from specsplit.messages import DraftRequest, DraftResult, HeadGuesses, VerifyRequest, VerifyResult
 from specsplit.pipeline.on_target import decode_on_target
 from specsplit.pipeline.overlap import OverlapPolicy, speculate
 from specsplit.pipeline.params import DecodeOutputs, DecodeParams, generation_seeds
@@ -179,11 +179,10 @@ class _Generation:
             self.ngram = drafter.session(prompt, drafter.lookahead_width(self.mode))
             max_ngram = drafter.settings.max_nodes
         self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
+        self.guesses: HeadGuesses | None = None  # the target's draft heads' guesses for this round
+        self.guess_nodes = 0  # nodes they take in a fixed round (0: the target has no heads)
         if self.ngram is not None and self.ngram.window is not None:
-            self.lookahead = self.ngram.drafter.lookahead_policy(params.sampling.do_sample)
-            wanted = self.ngram.drafter.settings.lookahead_nodes + self.ngram.window.num_nodes
-            # padded for a graph-replaying target, as the planner's n-gram trees are
-            self.lookahead_size = tree_size(wanted, TREE_SIZES + (wanted,)) if self.cost.padded else wanted
+            self._size_fixed_rounds()
         self.capacity = (
             len(prompt) + params.max_new_tokens + params.tree.draft_slots + extra
             + max(max_ngram, self.lookahead_size) + 8
@@ -242,9 +241,21 @@ class _Generation:
             tree = merge_trees(tree, extra) if dres is not None else extra
         return tree, dres
 
+    def _size_fixed_rounds(self) -> None:
+        """Fixed-size rounds (lookahead rounds): n-gram nodes, the heads' guesses, the window; under
+        the A/B policy that weighs them against the planner's rounds."""
+        assert self.ngram is not None
+        window = self.ngram.window
+        self.lookahead = self.ngram.drafter.lookahead_policy(self.params.sampling.do_sample)
+        wanted = self.ngram.drafter.settings.lookahead_nodes + self.guess_nodes
+        wanted += window.num_nodes if window is not None else 0
+        # padded for a graph-replaying target, as the planner's n-gram trees are
+        self.lookahead_size = tree_size(wanted, TREE_SIZES + (wanted,)) if self.cost.padded else wanted
+
     def _lookahead_round(self) -> TokenTree:
-        """A lookahead round's tree: prompt matches and pool n-grams, and the Jacobi window."""
-        assert self.ngram is not None and self.ngram.window is not None
+        """A fixed round's tree: prompt matches and pool n-grams, the target's draft-head guesses
+        and the Jacobi window."""
+        assert self.ngram is not None
         proposal = self.ngram.propose(lookahead=True)
         s = self.ngram.drafter.settings
         tree, self.window_offset = lookahead_tree(
@@ -253,8 +264,9 @@ class _Generation:
             self.lookahead_size,
             s.max_depth,
             fixed_bounds=self.cost.padded and not self.params.sampling.do_sample,
+            guesses=self.guesses,
         )
-        self.plan = RoundPlan(False, self.lookahead_size, lookahead=True)
+        self.plan = RoundPlan(False, self.lookahead_size, lookahead=True, heads=self.guesses is not None)
         self.ngram_scores, self.ngram_offset = [], 0
         return tree
 
@@ -336,6 +348,7 @@ class _Generation:
             self.ngram.extend(kept)
             if self.window_offset >= 0:
                 self._learn(vres)
+            self._take_guesses(vres)
         self.target_prefix, self.pending = vres.prefix_length, [vres.next_token_id]
         hit = None
         finished = stopped or len(self.out) >= self.params.max_new_tokens
@@ -349,6 +362,16 @@ class _Generation:
         else:
             self.draft_new = self.draft_new + new
         return kept, stopped, hit
+
+    def _take_guesses(self, vres: VerifyResult) -> None:
+        """The target's draft-head guesses for the next round; the first ones turn fixed rounds on
+        (sized for them). A ``hybrid`` generation keeps the model's rounds and leaves them out."""
+        if self.mode == "hybrid":
+            return
+        self.guesses = vres.guesses
+        if vres.guesses is not None and not self.guess_nodes:
+            self.guess_nodes = len(vres.guesses.token_ids)
+            self._size_fixed_rounds()
 
     def _learn(self, vres: VerifyResult) -> None:
         """A lookahead round's Jacobi step: the target's tokens after the window's nodes."""

@@ -1,0 +1,296 @@
+"""Draft heads on the target's own hidden states (Medusa style): guesses that cost one small product.
+
+A *draft head* ``k`` (1-based) reads the target's last hidden state ``h_t`` (the input of its output
+layer at the row that decided the next token ``x_{t+1}``) and guesses the token ``k`` places after
+it, ``x_{t+1+k}``::
+
+    z_k = h_t + SiLU(W_k h_t + b_k)        # one residual block per head  [K, H]
+    logits_k = lm_head(z_k)                # the target's own output layer, shared and frozen
+
+All ``K`` heads run as one batched product on ONE row after each verification, so a round's
+guesses for the next ``K`` tokens cost about one extra output-layer product, not ``K`` model steps.
+Their top-``R`` tokens form a tree of *choices* (rank paths such as ``(0, 1)``: head 1's best token,
+then head 2's second best), chosen once from the heads' measured rank accuracies
+(:func:`choice_paths`), and the next round verifies that tree beside the n-gram drafters' nodes.
+
+Lossless by construction: the heads only propose; the target verifies every node. A tree whose
+guesses are all wrong costs a round that commits the target's own token, as a plain step does.
+
+Heads are trained for one target (``specsplit heads train``, :mod:`specsplit.runtime.heads_training`)
+and saved as a directory: ``heads.safetensors`` (``weight`` `[K, H, H]`, ``bias`` `[K, H]`) and
+``heads.json`` (:class:`HeadsInfo`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from specsplit.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "heads.safetensors"
+INFO_FILE = "heads.json"
+
+
+@dataclass
+class HeadsInfo:
+    """What a heads directory was trained for, and how well its heads guess.
+
+    Attributes:
+        num_heads / hidden_size / vocab_size: the heads' shapes (checked against the target).
+        base_model: the target they were trained on (its alias or path; informational).
+        rank_accuracy: `[K][R]`, how often head ``k``'s rank-``r`` token was the target's token on
+            held-out text; :func:`choice_paths` builds the guess tree from it.
+        trained_on: how the training data was made (informational).
+    """
+
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    base_model: str = ""
+    rank_accuracy: list[list[float]] = field(default_factory=list)
+    trained_on: dict[str, Any] = field(default_factory=dict)
+
+
+class DraftHeads(torch.nn.Module):
+    """``K`` residual blocks on the target's hidden state, one per guessed position.
+
+    Args:
+        num_heads: ``K``, the tokens guessed after the target's next one.
+        hidden_size: the target's hidden size ``H``.
+    """
+
+    def __init__(self, num_heads: int, hidden_size: int):
+        super().__init__()
+        if num_heads < 1 or hidden_size < 1:
+            raise ConfigError(
+                f"draft heads need num_heads >= 1 and hidden_size >= 1, got {num_heads}, {hidden_size}"
+            )
+        # Zero blocks start every head as the identity: each first guesses the target's next token.
+        self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, out, in]
+        self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, H]
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """`[M, H]` hidden states → `[K, M, H]` each head's input of the output layer."""
+        y = torch.einsum("mi,koi->kmo", h, self.weight) + self.bias[:, None]
+        return h.unsqueeze(0) + F.silu(y)
+
+    def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """Head ``k`` (0-based) alone: `[M, H]` → `[M, H]` (training computes heads one at a time)."""
+        return h + F.silu(F.linear(h, self.weight[k], self.bias[k]))
+
+
+def head_logits(heads: DraftHeads, lm_head: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """`[K, M, V]` the heads' logits for `[M, H]` hidden states, through the target's output layer
+    ``lm_head`` (`[V, H]`, its dtype)."""
+    z = heads(h.to(heads.weight.dtype))
+    return F.linear(z.to(lm_head.dtype), lm_head)
+
+
+def head_guesses(
+    heads: DraftHeads, out_layer: torch.nn.Module, h: torch.Tensor, ranks: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`[K * ranks]` int64: each head's ``ranks`` best tokens for ONE hidden state ``h`` (`[1, H]`),
+    head by head, best first, through the target's output layer module ``out_layer`` (whatever form
+    its weight takes: packed for the CPU, say) in its ``dtype``; device ops only (this runs inside a
+    captured round)."""
+    z = heads(h.to(heads.weight.dtype))[:, 0]  # [K, H]
+    logits = out_layer(z.to(dtype))  # [K, V]
+    return logits.topk(ranks, dim=-1).indices.reshape(-1)
+
+
+def choice_paths(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
+    """The ``budget`` rank paths most likely to be accepted, best first and closed under prefixes.
+
+    A path ``(r_1, ..., r_d)`` guesses head 1's rank-``r_1`` token, then head 2's rank-``r_2`` one,
+    and so on; its score is the product of those ranks' accuracies (heads taken as independent, as
+    Medusa's trees are). Best-first expansion from the root keeps every path's prefix ahead of it.
+
+    Args:
+        rank_accuracy: `[K][R]` accuracies in [0, 1].
+        budget: most paths (tree nodes) returned.
+    """
+    if budget <= 0 or not rank_accuracy or not rank_accuracy[0]:
+        return []
+    heap: list[tuple[float, int, tuple[int, ...]]] = []
+    order = 0  # ties: the earlier pushed (shallower, better ranked) first
+    for r, acc in enumerate(rank_accuracy[0]):
+        heapq.heappush(heap, (-acc, order, (r,)))
+        order += 1
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < budget:
+        neg, _, path = heapq.heappop(heap)
+        out.append(path)
+        d = len(path)
+        if d < len(rank_accuracy):
+            for r, acc in enumerate(rank_accuracy[d]):
+                heapq.heappush(heap, (neg * acc, order, path + (r,)))
+                order += 1
+    return out
+
+
+def paths_to_nodes(
+    guesses: list[int], ranks: int, paths: list[tuple[int, ...]]
+) -> tuple[list[int], list[int], list[int]]:
+    """Tree nodes ``(tokens, parents, depths)`` of the choice ``paths`` (prefix-closed, in order) for
+    one round's ``guesses`` (``K * ranks`` token ids, as :func:`head_guesses` returns them)."""
+    index: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    for path in paths:
+        d = len(path)
+        index[path] = len(tokens)
+        tokens.append(guesses[(d - 1) * ranks + path[-1]])
+        parents.append(index[path[:-1]] if d > 1 else -1)
+        depths.append(d)
+    return tokens, parents, depths
+
+
+class HiddenTap(torch.nn.Module):
+    """The target's output layer, which also keeps the hidden states it was given.
+
+    Every forward writes the rows whose logits it computes (the kept rows, in order) into ``rows``
+    (`[capacity, H]`), so row ``i`` of a forward's logits has its hidden state in ``rows[i]``. It is
+    a device copy, so it is captured in CUDA graphs and traced by ``torch.compile`` like the rest of
+    the forward. Forwards of more rows than ``capacity``, or of several sequences, are not kept.
+    One buffer serves the engine: a forward of another session between a round's forward and its
+    heads would only make that round's guesses worse, never its output (guesses are proposals).
+
+    Args:
+        inner: the model's output layer (an ``nn.Linear``).
+        capacity: most rows kept (a tree's nodes and the pending row).
+    """
+
+    rows: torch.Tensor
+
+    def __init__(self, inner: torch.nn.Module, capacity: int):
+        super().__init__()
+        self.inner = inner
+        w = cast(torch.Tensor, inner.weight)  # (a packed layer unpacks a copy here, once)
+        with torch.inference_mode(False):  # a normal tensor: the model stays deep-copyable
+            rows = torch.zeros(capacity, w.shape[1], dtype=w.dtype, device=w.device)
+        self.register_buffer("rows", rows)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.inner.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, q, H]
+        if x.shape[0] == 1 and x.shape[1] <= self.rows.shape[0]:
+            self.rows[: x.shape[1]].copy_(x[0])
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def install_tap(model: Any, capacity: int) -> HiddenTap:
+    """Wrap ``model``'s output layer in a :class:`HiddenTap` (once; returns the existing one)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, HiddenTap):
+        return head
+    w = getattr(head, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or getattr(head, "bias", None) is not None:
+        raise ConfigError(
+            f"draft heads need a linear output layer without bias, this model has {type(head).__name__}"
+        )
+    tap = HiddenTap(head, capacity)
+    model.set_output_embeddings(tap)
+    return tap
+
+
+def save_heads(heads: DraftHeads, info: HeadsInfo, out_dir: str | Path) -> Path:
+    """Write ``heads`` (bf16) and ``info`` into ``out_dir``; returns the directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: p.detach().to("cpu", torch.bfloat16).contiguous() for n, p in heads.named_parameters()}
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    (out / INFO_FILE).write_text(json.dumps(asdict(info), indent=1) + "\n")
+    return out
+
+
+def load_heads(
+    path: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> tuple[DraftHeads, HeadsInfo]:
+    """Load a heads directory written by :func:`save_heads` onto ``device`` in ``dtype``.
+
+    Raises:
+        ConfigError: the directory is missing or its files do not match each other.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not (d / WEIGHTS_FILE).is_file() or not (d / INFO_FILE).is_file():
+        raise ConfigError(f"draft heads: {d} holds no {WEIGHTS_FILE} and {INFO_FILE} (train them with "
+                          "`specsplit heads train`)")  # fmt: skip
+    raw = json.loads((d / INFO_FILE).read_text())
+    try:
+        info = HeadsInfo(**raw)
+    except TypeError as e:
+        raise ConfigError(f"draft heads: {d / INFO_FILE} is not a heads description ({e})") from None
+    tensors = load_file(str(d / WEIGHTS_FILE))
+    heads = DraftHeads(info.num_heads, info.hidden_size)
+    try:
+        heads.load_state_dict(tensors)
+    except RuntimeError as e:
+        raise ConfigError(f"draft heads: {d / WEIGHTS_FILE} does not match {INFO_FILE} ({e})") from None
+    heads.requires_grad_(False)
+    return heads.to(device=device, dtype=dtype).eval(), info
+
+
+class TargetHeads:
+    """A target's draft heads, ready for rounds: the heads, the output-layer tap and the guess tree.
+
+    Args:
+        model: the target (its output layer is wrapped in a :class:`HiddenTap`).
+        path: the heads directory.
+        nodes: tree nodes the guesses take (the ``nodes`` best rank paths).
+        max_rows: most logits rows a verification computes (the tap's capacity).
+
+    Raises:
+        ConfigError: the heads do not fit this target.
+    """
+
+    def __init__(self, model: Any, path: str | Path, nodes: int, max_rows: int):
+        out = model.get_output_embeddings()
+        w = out.weight
+        heads, info = load_heads(path, w.device, w.dtype)
+        if info.hidden_size != w.shape[1] or info.vocab_size != w.shape[0]:
+            raise ConfigError(
+                f"draft heads in {path} were trained for hidden size {info.hidden_size} and vocabulary "
+                f"{info.vocab_size}; this target has {w.shape[1]} and {w.shape[0]}"
+            )
+        if not info.rank_accuracy:
+            raise ConfigError(f"draft heads in {path} carry no rank accuracies to build their tree from")
+        self.heads, self.info = heads, info
+        self.dtype = w.dtype
+        self.ranks = len(info.rank_accuracy[0])
+        self.paths = choice_paths(info.rank_accuracy, nodes)
+        self.tap = install_tap(model, max_rows)
+        logger.info(
+            "draft heads: %d heads from %s, %d guess nodes a round", info.num_heads, path, len(self.paths)
+        )
+
+    def guesses(self, row: torch.Tensor) -> torch.Tensor:
+        """`[K * ranks]` int64 guesses from the hidden state of logits row ``row`` (`[1]` int64, on
+        the device) of the last forward; device ops only."""
+        h = self.tap.rows.index_select(0, row)  # [1, H]
+        return head_guesses(self.heads, self.tap.inner, h, self.ranks, self.dtype)
+
+    def nodes(self, guesses: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """The guess tree's ``(tokens, parents, depths)`` for one round's host guesses."""
+        return paths_to_nodes(guesses, self.ranks, self.paths)
