@@ -11,6 +11,12 @@ capture and lists the GPU time by operator instead (a replayed graph's kernels c
 
     python benchmarks/round_kernels.py --device cuda:0 [--sizes 4,16,32] [--compile] [--eager-ops] [--tag h200]
     python benchmarks/round_kernels.py --device cpu --strided
+    python benchmarks/round_kernels.py --device cuda:0 --sizes 32 --compile --heads 16 --tag h200-heads
+
+``--heads N`` gives the target random draft heads (4 heads, 10 ranks, N guess nodes;
+:mod:`specsplit.runtime.heads`): the trees stay the script's own, and each round also runs the heads'
+work (the hidden-state copy, the blocks, the output-layer product, the top-k); compare its kernels
+with the same run without it.
 """
 
 from __future__ import annotations
@@ -55,6 +61,19 @@ _VIEWS = {"view", "_unsafe_view", "select", "slice", "transpose", "t", "expand",
           "unbind", "narrow"}  # fmt: skip
 
 
+def _random_heads(model: Any) -> str:
+    """A directory of 4 random draft heads of ``model``'s shapes (10 ranks each)."""
+    import tempfile
+
+    from specsplit.runtime.heads import DraftHeads, HeadsInfo, save_heads
+
+    w = model.get_output_embeddings().weight
+    heads = DraftHeads(4, w.shape[1])
+    acc = [[0.5 / (r + 1) / (k + 1) for r in range(10)] for k in range(4)]
+    out = Path(tempfile.mkdtemp(prefix="specsplit-heads-"))
+    return str(save_heads(heads, HeadsInfo(4, w.shape[1], w.shape[0], rank_accuracy=acc), out))
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: its dims in some order are a contiguous tensor (no gaps)."""
     expected = 1
@@ -97,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--strided", action="store_true", help="no timing; the operators that get operands with gaps"
     )
+    p.add_argument("--heads", type=int, default=0, help="random draft heads with N guess nodes (0: none)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -110,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with dev:
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16).eval()
-    cfg = TargetConfig(cuda_graphs=dev.type == "cuda", compile=a.compile, fuse_projections=True)
+    heads = _random_heads(model) if a.heads else None
+    cfg = TargetConfig(cuda_graphs=dev.type == "cuda", compile=a.compile, fuse_projections=True,
+                       draft_heads=heads, draft_heads_nodes=a.heads or 16)  # fmt: skip
     eng = TargetEngine(model, cfg)
     if a.eager_ops or a.strided:
         eng._workspace.static.use_graphs = False  # the same static-shape rounds, run op by op
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         + f" --rounds {a.rounds}"
         + (" --compile" if a.compile else "")
         + (" --eager-ops" if a.eager_ops else "")
+        + (f" --heads {a.heads}" if a.heads else "")
         + (f" --tag {a.tag}" if a.tag else "")
         + "`",
         f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",

@@ -29,3 +29,14 @@ def test_strided_lists_the_operators_that_read_gapped_rows(capsys):
     assert _script().main(["--device", "cpu", "--sizes", "8", "--context", "16", "--strided"]) == 0
     plain, tree = capsys.readouterr().out.split("8 nodes:")
     assert "silu  (fused.py" not in plain and "silu  (fused.py" in tree
+
+
+def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys):
+    """``--heads N``: the target verifies with random draft heads (their kernels join a round's)."""
+    assert (
+        _script().main(
+            ["--device", "cpu", "--sizes", "16", "--rounds", "2", "--context", "16", "--heads", "8"]
+        )
+        == 0
+    )
+    assert "16:" in capsys.readouterr().out
