@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def round_(tree: TokenTree) -> None:
         pending = prompt if state["prefix"] == 0 else [state["next"]]
-        req = VerifyRequest("s", tree, pending, state["prefix"], capacity_hint=a.context + 8 * a.rounds * 40)
+        req = VerifyRequest("s", tree, pending, state["prefix"], capacity_hint=a.context + 8 * a.rounds * 40,
+                            return_guesses=bool(a.heads))  # fmt: skip
         res = eng.verify(req)
         state["prefix"], state["next"] = res.prefix_length, res.next_token_id
 

@@ -169,6 +169,9 @@ class VerifyRequest:
             decided the committed tokens (``generate(output_scores=True / output_logits=True)``).
         return_choices: return the target's token after every row (``VerifyResult.choices``:
             lookahead drafting learns from them).
+        return_guesses: return the target's draft-head guesses (``VerifyResult.guesses``; a target
+            without heads returns none). A caller that would not use them leaves the heads' work
+            undone.
     """
 
     session_id: str
@@ -182,6 +185,7 @@ class VerifyRequest:
     return_scores: bool = False
     return_logits: bool = False
     return_choices: bool = False
+    return_guesses: bool = False
 
 
 @dataclass
@@ -214,9 +218,9 @@ class VerifyResult:
         choices: with ``return_choices``, `N + 1` token ids: the target's token after the last
             pending token, then after each node (its argmax; under sampling its position-keyed
             draw). None when not asked, or where a tree drawn from ``q`` was rejection-sampled.
-        guesses: a target with draft heads (``TargetConfig.draft_heads``): their guesses after
-            ``next_token_id``. None without heads, and on paths that do not run them (SpecPV,
-            batched rounds, remote workers' client loops).
+        guesses: with ``return_guesses``, a target with draft heads (``TargetConfig.draft_heads``):
+            their guesses after ``next_token_id``. None when not asked, without heads, and on paths
+            that do not run them (SpecPV, batched rounds, remote workers' client loops).
     """
 
     accepted_token_ids: list[int]

@@ -132,6 +132,8 @@ def test_the_tap_works_through_torch_compile():
 # ---------------------------------------------------------------------- the target's guesses
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
 def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(llama_target, tmp_path, graphs):
+    """``return_guesses``: guesses from the row that decided the next token, equal to the heads
+    applied to HF's own hidden state; a request that does not ask gets none."""
     heads_dir = _random_heads(llama_target, tmp_path)
     heads, info = load_heads(heads_dir, "cpu", torch.float32)
     paths = choice_paths(info.rank_accuracy, 8)
@@ -139,13 +141,18 @@ def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(llama_t
     with SpecSplitGenerator(target, None, config=_config(heads_dir, graphs=graphs)) as gen:
         engine = gen.target_engine
         assert engine is not None and engine.heads is not None
-        first = engine.verify(VerifyRequest("s", TokenTree.empty(), PROMPT, 0))
+        first = engine.verify(VerifyRequest("s", TokenTree.empty(), PROMPT, 0, return_guesses=True))
         context = PROMPT + [first.next_token_id]
         nxt = int(llama_target(torch.tensor([context])).logits[0, -1].argmax())
         # a tree whose first node is the target's token: accepted, so its row decides the next token
         tree = TokenTree(torch.tensor([nxt, 7]), torch.tensor([-1, -1]), torch.tensor([1, 1]), torch.zeros(2))
-        res = engine.verify(VerifyRequest("s", tree, [first.next_token_id], first.prefix_length))
+        res = engine.verify(
+            VerifyRequest("s", tree, [first.next_token_id], first.prefix_length, return_guesses=True)
+        )
         assert res.accepted_token_ids == [nxt]
+        # not asked: the heads' work is left undone (a plain step of a model-drafter round, say)
+        unasked = engine.verify(VerifyRequest("s", TokenTree.empty(), [res.next_token_id], res.prefix_length))
+        assert unasked.guesses is None
         for r, ctx in ((first, PROMPT), (res, context + [nxt])):
             assert r.guesses is not None
             with torch.no_grad():

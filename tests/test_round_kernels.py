@@ -31,12 +31,20 @@ def test_strided_lists_the_operators_that_read_gapped_rows(capsys):
     assert "silu  (fused.py" not in plain and "silu  (fused.py" in tree
 
 
-def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys):
-    """``--heads N``: the target verifies with random draft heads (their kernels join a round's)."""
-    assert (
-        _script().main(
-            ["--device", "cpu", "--sizes", "16", "--rounds", "2", "--context", "16", "--heads", "8"]
-        )
-        == 0
-    )
+def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys, monkeypatch):
+    """``--heads N``: the target verifies with random draft heads, and every round runs them."""
+    from specsplit.engines.target import TargetEngine
+
+    ran: list[bool] = []
+    real = TargetEngine.verify
+
+    def spy(self, req):
+        res = real(self, req)
+        ran.append(res.guesses is not None)
+        return res
+
+    monkeypatch.setattr(TargetEngine, "verify", spy)
+    args = ["--device", "cpu", "--sizes", "16", "--rounds", "2", "--context", "16", "--heads", "8"]
+    assert _script().main(args) == 0
     assert "16:" in capsys.readouterr().out
+    assert ran and all(ran)

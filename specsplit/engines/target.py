@@ -231,6 +231,7 @@ class TargetEngine(EngineBase[KVCacheState]):
                     stats,
                     (req.return_scores, req.return_logits),
                     req.return_choices,
+                    req.return_guesses and self.heads is not None,
                 )
             self._settle_kv(session_id, state.cache, state.static)
         finally:

@@ -50,13 +50,15 @@ from specsplit.runtime.runner import h2d
 if TYPE_CHECKING:
     from specsplit.engines.processing import TreeProcessors
     from specsplit.engines.target import KVCacheState, TargetEngine
+    from specsplit.runtime.heads import TargetHeads
 
 
 class Verifier(Protocol):
     """One round of verification for a session whose lock the caller holds.
 
     ``returns``: (processed scores, raw logits) of the deciding rows wanted in the result;
-    ``choices``: the target's token after every row (``VerifyResult.choices``), read in the same sync."""
+    ``choices``: the target's token after every row (``VerifyResult.choices``), read in the same sync;
+    ``guesses``: the engine's draft-head guesses (``VerifyResult.guesses``; where it runs them)."""
 
     def verify(
         self,
@@ -68,6 +70,7 @@ class Verifier(Protocol):
         stats: WorkerStats,
         returns: tuple[bool, bool] = (False, False),
         choices: bool = False,
+        guesses: bool = False,
     ) -> VerifyResult: ...
 
 
@@ -212,6 +215,7 @@ class FullVerifier:
         stats: WorkerStats,
         returns: tuple[bool, bool] = (False, False),
         choices: bool = False,
+        guesses: bool = False,
     ) -> VerifyResult:
         eng = self.engine
         cache = state.cache
@@ -229,7 +233,7 @@ class FullVerifier:
             and (proc is None or proc.graph_key is not None)
             and not any(returns)
         ):
-            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats, proc, choices)
+            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats, proc, choices, guesses)
         # Per-depth processors group rows on the host (for a device tree, a read of its depths).
         host_depths = tree.depths.tolist() if proc is not None and proc.needs_depths else []
         tree = tree.to(eng.device)
@@ -263,7 +267,7 @@ class FullVerifier:
             proc.commit(ctx_len, tokens)
         result = _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
         result.choices = chosen
-        if eng.heads is not None:  # a second read, off the one-graph path only
+        if guesses and eng.heads is not None:  # a second read, off the one-graph path only
             row = h2d(
                 torch.tensor([nodes[-1] + 1 if nodes else 0], dtype=torch.long), eng.heads.tap.rows.device
             )
@@ -287,6 +291,7 @@ class FullVerifier:
         stats: WorkerStats,
         proc: TreeProcessors | None = None,
         choices: bool = False,
+        guesses: bool = False,
     ) -> VerifyResult:
         """A greedy round (mask, forward, processors with a graph key, acceptance, KV commit)
         replayed as one graph (``TargetConfig.graph_rounds``); the same tensor functions as the
@@ -300,24 +305,25 @@ class FullVerifier:
                 f"a verify round needs {end} slots; the workspace holds {static.capacity}"
             )
         bucket = kv_bucket(end, static.capacity)
-        key = (n, max_depth, max_branch, bucket, None if proc is None else proc.graph_key)
+        heads = eng.heads if guesses else None
+        key = (n, max_depth, max_branch, bucket, None if proc is None else proc.graph_key, heads is not None)
         t = time.perf_counter()
         rnd = eng._round_graph(
-            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, bucket, proc)
+            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, bucket, proc, heads)
         )
         forwards = eng.runner.forward_count
         device_args: tuple[torch.Tensor, ...] = ()
         if proc is not None:
             ctx_len = proc.begin(length, pending)
             device_args = (proc.presence(eng.runner.vocab_size, ctx_len),)
-        path, count, nxt, choice, guesses = rnd(
+        path, count, nxt, choice, guessed = rnd(
             pending[0], tree.token_ids, tree.parents, tree.depths, length, device_args=device_args
         )
         if rnd.graph is not None:  # a replay (after a capture that ran the body 3 times): one forward
             eng.runner.forward_count = forwards + 1
         outcome = VerifyOutcome(path, count, nxt, choice=choice)
         nodes, tokens, next_token = outcome.to_host(
-            rnd.inputs[1], extra=guesses, choices=choices
+            rnd.inputs[1], extra=guessed, choices=choices
         )  # the one sync
         m = len(nodes)
         cache.set_length(length + 1 + m)  # the graph moved the accepted slots behind the pending one
@@ -328,8 +334,8 @@ class FullVerifier:
         stats.forwards += 1
         result = _result(tokens, next_token, nodes, length + 1 + m, max_depth, n)
         result.choices = outcome.choices_host
-        if eng.heads is not None:
-            result.guesses = HeadGuesses(*eng.heads.nodes(outcome.extra_host))
+        if heads is not None:
+            result.guesses = HeadGuesses(*heads.nodes(outcome.extra_host))
         return result
 
     def _build_round(
@@ -341,12 +347,12 @@ class FullVerifier:
         max_branch: int,
         bucket: int,
         proc: TreeProcessors | None = None,
+        heads: TargetHeads | None = None,
     ) -> GraphedRound:
         buf = static.new_buffers(1 + n, bucket)
         dev = self.engine.device
         steps = torch.arange(max_depth, device=dev)
         stages = None if proc is None else proc.stages
-        heads = self.engine.heads
 
         def body(
             pend: torch.Tensor,
@@ -408,6 +414,7 @@ class SpecPVVerifier:
         stats: WorkerStats,
         returns: tuple[bool, bool] = (False, False),
         choices: bool = False,
+        guesses: bool = False,
     ) -> VerifyResult:
         if state.processors is not None or any(returns):
             raise ConfigError("SpecPV verification does not apply logits processors or return scores")

@@ -181,6 +181,8 @@ class _Generation:
         self.cost = params.cost or CostModel(self.mode, params.tree.max_nodes, max_ngram)
         self.guesses: HeadGuesses | None = None  # the target's draft heads' guesses for this round
         self.guess_nodes = 0  # nodes they take in a fixed round (0: the target has no heads)
+        # n-gram modes verify them in their fixed rounds; hybrid keeps the model's rounds
+        self.wants_guesses = self.ngram is not None and self.mode != "hybrid"
         if self.ngram is not None and self.ngram.window is not None:
             self._size_fixed_rounds()
         self.capacity = (
@@ -304,6 +306,7 @@ class _Generation:
         vreq = VerifyRequest(
             self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity,
             p.processing, p.return_scores, p.return_logits, return_choices=self.window_offset >= 0,
+            return_guesses=self.wants_guesses,
         )  # fmt: skip
         spec, spec_s = None, 0.0
         if (
@@ -365,8 +368,8 @@ class _Generation:
 
     def _take_guesses(self, vres: VerifyResult) -> None:
         """The target's draft-head guesses for the next round; the first ones turn fixed rounds on
-        (sized for them). A ``hybrid`` generation keeps the model's rounds and leaves them out."""
-        if self.mode == "hybrid":
+        (sized for them)."""
+        if not self.wants_guesses:
             return
         self.guesses = vres.guesses
         if vres.guesses is not None and not self.guess_nodes:

@@ -142,22 +142,29 @@ def choice_paths(rank_accuracy: list[list[float]], budget: int) -> list[tuple[in
     return out
 
 
-def paths_to_nodes(
-    guesses: list[int], ranks: int, paths: list[tuple[int, ...]]
-) -> tuple[list[int], list[int], list[int]]:
-    """Tree nodes ``(tokens, parents, depths)`` of the choice ``paths`` (prefix-closed, in order) for
-    one round's ``guesses`` (``K * ranks`` token ids, as :func:`head_guesses` returns them)."""
+def choice_layout(ranks: int, paths: list[tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
+    """The guess tree of the choice ``paths`` (prefix-closed, in order), once for every round:
+    ``(slots, parents, depths)``, ``slots[i]`` being where node ``i``'s token sits in a round's
+    guesses (``K * ranks`` ids, as :func:`head_guesses` returns them)."""
     index: dict[tuple[int, ...], int] = {}
-    tokens: list[int] = []
+    slots: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
     for path in paths:
         d = len(path)
-        index[path] = len(tokens)
-        tokens.append(guesses[(d - 1) * ranks + path[-1]])
+        index[path] = len(slots)
+        slots.append((d - 1) * ranks + path[-1])
         parents.append(index[path[:-1]] if d > 1 else -1)
         depths.append(d)
-    return tokens, parents, depths
+    return slots, parents, depths
+
+
+def paths_to_nodes(
+    guesses: list[int], ranks: int, paths: list[tuple[int, ...]]
+) -> tuple[list[int], list[int], list[int]]:
+    """Tree nodes ``(tokens, parents, depths)`` of the choice ``paths`` for one round's ``guesses``."""
+    slots, parents, depths = choice_layout(ranks, paths)
+    return [guesses[i] for i in slots], parents, depths
 
 
 class HiddenTap(torch.nn.Module):
@@ -280,6 +287,7 @@ class TargetHeads:
         self.dtype = w.dtype
         self.ranks = len(info.rank_accuracy[0])
         self.paths = choice_paths(info.rank_accuracy, nodes)
+        self._slots, self._parents, self._depths = choice_layout(self.ranks, self.paths)
         self.tap = install_tap(model, max_rows)
         logger.info(
             "draft heads: %d heads from %s, %d guess nodes a round", info.num_heads, path, len(self.paths)
@@ -292,5 +300,6 @@ class TargetHeads:
         return head_guesses(self.heads, self.tap.inner, h, self.ranks, self.dtype)
 
     def nodes(self, guesses: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """The guess tree's ``(tokens, parents, depths)`` for one round's host guesses."""
-        return paths_to_nodes(guesses, self.ranks, self.paths)
+        """The guess tree's ``(tokens, parents, depths)`` for one round's host guesses (the shape is
+        the same every round: only the tokens are picked)."""
+        return [guesses[i] for i in self._slots], self._parents, self._depths
