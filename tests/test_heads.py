@@ -176,10 +176,17 @@ def test_generation_with_heads_equals_hf_greedy(llama_target, qwen_target, tmp_p
         target = copy.deepcopy(model)  # the heads wrap its output layer (and packing rewrites it)
         cfg = _config(heads_dir, graphs, window, packed=packed)
         with SpecSplitGenerator(target, None, config=cfg) as gen:
-            outs = [gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True) for _ in range(2)]
-        for out in outs:
+            engine = gen.target_engine
+            assert engine is not None
+            outs, forwards = [], []
+            for _ in range(2):
+                before = engine.forward_count
+                outs.append(gen.generate(ids, max_new_tokens=40, return_dict_in_generate=True))
+                forwards.append(engine.forward_count - before)
+        for out, n in zip(outs, forwards, strict=True):
             assert torch.equal(out.sequences, ref)
             assert out.spec_stats.rounds_by_drafter().get("heads", 0) > 0
+            assert n == len(out.spec_stats.rounds)  # one target forward a round: the heads add none
 
 
 def test_heads_sampling_gives_target_only_tokens_for_the_same_seed(llama_target, tmp_path):
