@@ -220,7 +220,8 @@ class VerifyResult:
             draw). None when not asked, or where a tree drawn from ``q`` was rejection-sampled.
         guesses: with ``return_guesses``, a target with draft heads (``TargetConfig.draft_heads``):
             their guesses after ``next_token_id``. None when not asked, without heads, and on paths
-            that do not run them (SpecPV, batched rounds, remote workers' client loops).
+            that do not run them (SpecPV, batched rounds). They travel over gRPC as well
+            (``VerifyResponse.guesses``).
     """
 
     accepted_token_ids: list[int]

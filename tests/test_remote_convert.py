@@ -16,7 +16,15 @@ pytest.importorskip("grpc")
 from specsplit.config import SamplingParams, TreeConfig  # noqa: E402
 from specsplit.core.tree import TokenNode, TokenTree  # noqa: E402
 from specsplit.errors import InvalidRequest  # noqa: E402
-from specsplit.messages import DraftRequest, DraftResult, VerifyRequest, VerifyResult, WorkerInfo, WorkerStats
+from specsplit.messages import (  # noqa: E402
+    DraftRequest,
+    DraftResult,
+    HeadGuesses,
+    VerifyRequest,
+    VerifyResult,
+    WorkerInfo,
+    WorkerStats,
+)
 from specsplit.remote import convert  # noqa: E402
 from specsplit.remote._generated import spec_decoding_pb2 as pb  # noqa: E402
 
@@ -145,6 +153,33 @@ def test_requests_and_results_round_trip(tree: TreeConfig) -> None:
     assert convert.verify_result_from_proto(convert.verify_result_to_proto(vres)) == vres
     info = WorkerInfo("target", "m", 151936, "bfloat16", "cuda:0", "specsplit.v1", 3)
     assert convert.worker_info_from_proto(convert.worker_info_to_proto(info)) == info
+
+
+def test_draft_head_guesses_round_trip() -> None:
+    """``return_guesses`` travels both ways; ``guesses`` None <-> absent, an empty guess set stays
+    present, and parents of -1 survive the wire."""
+    for ask in (False, True):
+        req = VerifyRequest("s", TokenTree.empty(), [1], 0, return_guesses=ask)
+        wire = pb.VerifyRequest.FromString(convert.verify_request_to_proto(req).SerializeToString())
+        assert convert.verify_request_from_proto(wire).return_guesses is ask
+    for guesses in (
+        None,
+        HeadGuesses([], [], []),
+        HeadGuesses([7, 151_935, 9, 2**40], [-1, -1, 0, 2], [1, 1, 2, 3]),
+    ):
+        res = VerifyResult([3], 4, [0], 9, 1, 1, guesses=guesses)
+        m = pb.VerifyResponse.FromString(convert.verify_result_to_proto(res).SerializeToString())
+        assert m.HasField("guesses") == (guesses is not None)
+        assert convert.verify_result_from_proto(m) == res
+
+
+def test_malformed_guesses_raise_invalid_request() -> None:
+    m = convert.verify_result_to_proto(
+        VerifyResult([3], 4, [0], 9, 1, 1, guesses=HeadGuesses([7, 8], [-1, 0], [1, 2]))
+    )
+    m.guesses.depths.pop()
+    with pytest.raises(InvalidRequest, match="depths"):
+        convert.verify_result_from_proto(m)
 
 
 def test_paths_none_and_empty_differ_on_the_wire() -> None:

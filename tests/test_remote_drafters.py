@@ -101,9 +101,9 @@ def test_lookahead_over_grpc_equals_local(target_model, loop: str) -> None:
 
 @pytest.mark.parametrize("loop", ["client", "target"])
 def test_a_target_worker_with_draft_heads(target_model, tmp_path, loop: str) -> None:
-    """``specsplit serve target --draft-heads DIR``: a worker running the rounds verifies its heads'
-    guesses with the n-gram nodes (rounds say ``heads``); a client loop gets no guesses over gRPC and
-    drafts n-grams alone. Both commit HF greedy's tokens."""
+    """``specsplit serve target --draft-heads DIR``: the n-gram rounds verify the heads' guesses beside
+    their own nodes (rounds say ``heads``), whether the worker runs the rounds or a client loop gets
+    the guesses in its verify replies. Both commit HF greedy's tokens."""
     import copy
 
     from specsplit.config import TargetConfig
@@ -128,4 +128,4 @@ def test_a_target_worker_with_draft_heads(target_model, tmp_path, loop: str) -> 
             out = gen.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     by = out.spec_stats.rounds_by_drafter()
-    assert (by.get("heads", 0) > 0) == (loop == "target"), by
+    assert by.get("heads", 0) > 0, by

@@ -30,6 +30,7 @@ from specsplit.messages import (
     DraftResult,
     GenerateRequest,
     GenerateUpdate,
+    HeadGuesses,
     LogitsProcessing,
     VerifyRequest,
     VerifyResult,
@@ -362,6 +363,7 @@ def verify_request_to_proto(r: VerifyRequest) -> pb.VerifyRequest:
         return_scores=r.return_scores,
         return_logits=r.return_logits,
         return_choices=r.return_choices,
+        return_guesses=r.return_guesses,
         **kwargs,
     )
 
@@ -415,11 +417,27 @@ def verify_request_from_proto(m: pb.VerifyRequest) -> VerifyRequest:
         return_scores=m.return_scores,
         return_logits=m.return_logits,
         return_choices=m.return_choices,
+        return_guesses=m.return_guesses,
     )
 
 
+def guesses_to_proto(g: HeadGuesses) -> pb.HeadGuesses:
+    return pb.HeadGuesses(token_ids=g.token_ids, parents=g.parents, depths=g.depths)
+
+
+def guesses_from_proto(m: pb.HeadGuesses) -> HeadGuesses:
+    """The heads' nodes; raises :class:`InvalidRequest` when the three lists differ in length."""
+    n = len(m.token_ids)
+    if len(m.parents) != n or len(m.depths) != n:
+        raise InvalidRequest(
+            f"guesses have {n} token_ids, {len(m.parents)} parents and {len(m.depths)} depths"
+        )
+    return HeadGuesses(list(m.token_ids), list(m.parents), list(m.depths))
+
+
 def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResponse:
-    return pb.VerifyResponse(
+    """``guesses=None`` leaves the message's ``guesses`` absent."""
+    m = pb.VerifyResponse(
         accepted_token_ids=r.accepted_token_ids,
         next_token_id=r.next_token_id,
         accepted_node_indices=r.accepted_node_indices,
@@ -432,6 +450,9 @@ def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResponse:
         logits=_rows_to_bytes(r.logits),
         choices=r.choices or [],
     )
+    if r.guesses is not None:
+        m.guesses.CopyFrom(guesses_to_proto(r.guesses))
+    return m
 
 
 def verify_result_from_proto(m: pb.VerifyResponse) -> VerifyResult:
@@ -447,6 +468,7 @@ def verify_result_from_proto(m: pb.VerifyResponse) -> VerifyResult:
         scores=_rows_from_bytes(m.scores, len(m.accepted_token_ids) + 1),
         logits=_rows_from_bytes(m.logits, len(m.accepted_token_ids) + 1),
         choices=list(m.choices) or None,
+        guesses=guesses_from_proto(m.guesses) if m.HasField("guesses") else None,
     )
 
 

@@ -213,7 +213,7 @@ class ShareTreeSlotsResponse(_message.Message):
     def __init__(self, available: _Optional[bool] = ..., reason: _Optional[str] = ..., channel_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_nodes: _Optional[int] = ..., device_uuid: _Optional[str] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., storage_event_handle: _Optional[bytes] = ..., storage_event_sync_required: _Optional[bool] = ..., slot_event_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tree", "pending_token_ids", "expected_prefix_length", "sampling", "seed", "capacity_hint", "processing", "return_scores", "return_logits", "return_choices")
+    __slots__ = ("session_id", "tree", "pending_token_ids", "expected_prefix_length", "sampling", "seed", "capacity_hint", "processing", "return_scores", "return_logits", "return_choices", "return_guesses")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class VerifyRequest(_message.Message):
     RETURN_SCORES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     RETURN_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_GUESSES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tree: TokenTree
     pending_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -236,10 +237,21 @@ class VerifyRequest(_message.Message):
     return_scores: bool
     return_logits: bool
     return_choices: bool
-    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., expected_prefix_length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., processing: _Optional[str] = ..., return_scores: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., return_choices: _Optional[bool] = ...) -> None: ...
+    return_guesses: bool
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., pending_token_ids: _Optional[_Iterable[int]] = ..., expected_prefix_length: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., capacity_hint: _Optional[int] = ..., processing: _Optional[str] = ..., return_scores: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., return_choices: _Optional[bool] = ..., return_guesses: _Optional[bool] = ...) -> None: ...
+
+class HeadGuesses(_message.Message):
+    __slots__ = ("token_ids", "parents", "depths")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    depths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., depths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "prefix_length", "num_drafted", "num_nodes", "cache_hit", "telemetry", "scores", "logits", "choices")
+    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "prefix_length", "num_drafted", "num_nodes", "cache_hit", "telemetry", "scores", "logits", "choices", "guesses")
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +263,7 @@ class VerifyResponse(_message.Message):
     SCORES_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
+    GUESSES_FIELD_NUMBER: _ClassVar[int]
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token_id: int
     accepted_node_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -262,7 +275,8 @@ class VerifyResponse(_message.Message):
     scores: bytes
     logits: bytes
     choices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., scores: _Optional[bytes] = ..., logits: _Optional[bytes] = ..., choices: _Optional[_Iterable[int]] = ...) -> None: ...
+    guesses: HeadGuesses
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., prefix_length: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., scores: _Optional[bytes] = ..., logits: _Optional[bytes] = ..., choices: _Optional[_Iterable[int]] = ..., guesses: _Optional[_Union[HeadGuesses, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "max_new_tokens", "sampling", "tree", "eos_token_ids", "rng_state", "overlap", "overlap_policy", "drafter", "processing")
