@@ -13,7 +13,7 @@ capture and lists the GPU time by operator instead (a replayed graph's kernels c
     python benchmarks/round_kernels.py --device cpu --strided
     python benchmarks/round_kernels.py --device cuda:0 --sizes 32 --compile --heads 16 --tag h200-heads
 
-``--heads N`` gives the target random draft heads (4 heads, 10 ranks, N guess nodes;
+``--heads N`` gives the target random token-conditioned draft heads (4 heads, 10 ranks, N guess nodes;
 :mod:`specsplit.runtime.heads`): the trees stay the script's own, and each round also runs the heads'
 work (the hidden-state copy, the blocks, the output-layer product, the top-k); compare its kernels
 with the same run without it.
@@ -62,16 +62,16 @@ _VIEWS = {"view", "_unsafe_view", "select", "slice", "transpose", "t", "expand",
 
 
 def _random_heads(model: Any) -> str:
-    """A directory of 4 random draft heads of ``model``'s shapes (10 ranks each)."""
+    """A directory of 4 random token-conditioned draft heads of ``model``'s shapes (10 ranks each)."""
     import tempfile
 
     from specsplit.runtime.heads import DraftHeads, HeadsInfo, save_heads
 
     w = model.get_output_embeddings().weight
-    heads = DraftHeads(4, w.shape[1])
+    heads = DraftHeads(4, w.shape[1], token_input=True)
     acc = [[0.5 / (r + 1) / (k + 1) for r in range(10)] for k in range(4)]
-    out = Path(tempfile.mkdtemp(prefix="specsplit-heads-"))
-    return str(save_heads(heads, HeadsInfo(4, w.shape[1], w.shape[0], rank_accuracy=acc), out))
+    info = HeadsInfo(4, w.shape[1], w.shape[0], rank_accuracy=acc, token_input=True)
+    return str(save_heads(heads, info, Path(tempfile.mkdtemp(prefix="specsplit-heads-"))))
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -854,11 +854,13 @@ def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, windo
 
     torch.manual_seed(0)
     w = llama_target.get_output_embeddings().weight
-    heads = DraftHeads(3, w.shape[1])
+    heads = DraftHeads(3, w.shape[1], token_input=True)  # the token gathered in the graph
     with torch.no_grad():
         heads.weight.normal_(0, 0.05)
+        heads.token_weight.normal_(0, 0.05)
     acc = [[0.5 / (r + 1) / (k + 1) for r in range(4)] for k in range(3)]
-    path = save_heads(heads, HeadsInfo(3, w.shape[1], w.shape[0], rank_accuracy=acc), tmp_path / "heads")
+    info = HeadsInfo(3, w.shape[1], w.shape[0], rank_accuracy=acc, token_input=True)
+    path = save_heads(heads, info, tmp_path / "heads")
     _, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
     ngram = NgramConfig(lookahead=window, lookahead_policy="always")

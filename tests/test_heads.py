@@ -47,16 +47,23 @@ PROMPT = [44, 3, 19, 250, 61, 62, 63, 64, 9, 3, 19]
 RANKS = 4
 
 
-def _random_heads(model, tmp_path, num_heads=3, seed=0, scale=0.05):
+def _random_heads(model, tmp_path, num_heads=3, seed=0, scale=0.05, token_input=True):
     """A heads directory with small random blocks (guesses near the target's own next token)."""
     torch.manual_seed(seed)
     w = model.get_output_embeddings().weight
-    heads = DraftHeads(num_heads, w.shape[1])
+    heads = DraftHeads(num_heads, w.shape[1], token_input)
     with torch.no_grad():
         heads.weight.normal_(0, scale)
+        if heads.token_weight is not None:
+            # U e ~ N(0, 2) per unit: large enough that the decided token changes the guesses
+            std = float(model.get_input_embeddings().weight.std()) * w.shape[1] ** 0.5
+            heads.token_weight.normal_(0, 2.0 / std)
     acc = [[0.5 / (r + 1) / (k + 1) for r in range(RANKS)] for k in range(num_heads)]
-    info = HeadsInfo(num_heads=num_heads, hidden_size=w.shape[1], vocab_size=w.shape[0], rank_accuracy=acc)
-    return save_heads(heads, info, tmp_path / f"heads{seed}")
+    info = HeadsInfo(
+        num_heads=num_heads, hidden_size=w.shape[1], vocab_size=w.shape[0], rank_accuracy=acc,
+        token_input=token_input,
+    )  # fmt: skip
+    return save_heads(heads, info, tmp_path / f"heads{seed}-{int(token_input)}")
 
 
 def _config(heads_dir, graphs=False, window=0, nodes=8, policy="always", packed=None) -> SpecSplitConfig:
@@ -130,11 +137,15 @@ def test_the_tap_works_through_torch_compile():
 
 
 # ---------------------------------------------------------------------- the target's guesses
+@pytest.mark.parametrize("token_input", [True, False], ids=["token", "hidden-only"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
-def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(llama_target, tmp_path, graphs):
-    """``return_guesses``: guesses from the row that decided the next token, equal to the heads
-    applied to HF's own hidden state; a request that does not ask gets none."""
-    heads_dir = _random_heads(llama_target, tmp_path)
+def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(
+    llama_target, tmp_path, graphs, token_input
+):
+    """``return_guesses``: guesses from the row that decided the next token (and from that token's
+    embedding), equal to the heads applied to HF's own hidden state; a request that does not ask
+    gets none."""
+    heads_dir = _random_heads(llama_target, tmp_path, token_input=token_input)
     heads, info = load_heads(heads_dir, "cpu", torch.float32)
     paths = choice_paths(info.rank_accuracy, 8)
     target = copy.deepcopy(llama_target)  # the heads wrap its output layer: the fixture stays as it is
@@ -157,9 +168,21 @@ def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(llama_t
             assert r.guesses is not None
             with torch.no_grad():
                 h = llama_target(torch.tensor([ctx]), output_hidden_states=True).hidden_states[-1][0, -1:]
-                top = head_logits(heads, llama_target.get_output_embeddings().weight, h)[:, 0]
+                e = (
+                    llama_target.get_input_embeddings()(torch.tensor([r.next_token_id]))
+                    if token_input
+                    else None
+                )
+                top = head_logits(heads, llama_target.get_output_embeddings().weight, h, e)[:, 0]
             want = paths_to_nodes(top.topk(RANKS, dim=-1).indices.reshape(-1).tolist(), RANKS, paths)
             assert (r.guesses.token_ids, r.guesses.parents, r.guesses.depths) == want
+            if token_input:  # the token matters: another one would have given other guesses
+                with torch.no_grad():
+                    e = llama_target.get_input_embeddings()(torch.tensor([r.next_token_id + 1]))
+                    top = head_logits(heads, llama_target.get_output_embeddings().weight, h, e)[:, 0]
+                assert (
+                    paths_to_nodes(top.topk(RANKS, dim=-1).indices.reshape(-1).tolist(), RANKS, paths) != want
+                )
 
 
 @pytest.mark.parametrize(
@@ -217,7 +240,8 @@ def test_heads_that_do_not_fit_the_target_are_refused(llama_target, tmp_path):
 
 
 # ---------------------------------------------------------------------- training
-def test_heads_trained_on_a_models_own_answers_guess_its_tokens(tmp_path):
+@pytest.mark.parametrize("token_input", [False, True], ids=["medusa", "token"])
+def test_heads_trained_on_a_models_own_answers_guess_its_tokens(tmp_path, token_input):
     """A tiny model writes greedy answers to random prompts; heads trained on them guess better
     than untrained ones on held-out answers, and a generation with them accepts guessed tokens."""
     model = tiny_llama(6, vocab=64, hidden=64)
@@ -226,9 +250,12 @@ def test_heads_trained_on_a_models_own_answers_guess_its_tokens(tmp_path):
     prompts = [torch.randint(3, 64, (8,), generator=g).tolist() for _ in range(96)]
     answers = generate_batched(model, prompts, 24, [EOS], 0, sample=False, batch=32, seed=0)
     chats = [Chat(p + a, len(p)) for p, a in zip(prompts, answers, strict=True) if len(a) > 1]
-    opts = HeadsTrainingOptions(num_heads=2, epochs=30, lr=3e-3, tokens_per_step=2048, holdout=0.2, ranks=4)
+    opts = HeadsTrainingOptions(
+        num_heads=2, epochs=30, lr=3e-3, tokens_per_step=2048, holdout=0.2, ranks=4, token_input=token_input
+    )
     heads, info, report = train_heads(model, chats, opts, base_model="tiny")
-    untrained = DraftHeads(2, 64)
+    assert info.token_input == token_input
+    untrained = DraftHeads(2, 64, token_input)
     held = chats[: max(1, int(len(chats) * 0.2))]
     acc0, _ = evaluate_heads(model, untrained, held, 4)
     assert sum(info.rank_accuracy[1]) > sum(acc0[1]) + 0.1  # head 2 learned what the model writes
@@ -259,14 +286,18 @@ def test_heads_train_command_trains_and_saves_heads_that_load(tmp_path, capsys):
         ids = torch.randint(3, 64, (20,), generator=g).tolist()
         lines.append(json.dumps({"ids": ids, "answer_start": 6}))
     (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    rc = main([
-        "heads", "train", "--target", str(tmp_path / "model"), "--chats", str(tmp_path / "chats.jsonl"),
-        "--out", str(tmp_path / "heads"), "--device", "cpu", "--num-heads", "2", "--epochs", "2",
-        "--tokens-per-step", "128",
-    ])  # fmt: skip
-    assert rc == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["chats"] == 12 and report["steps"] > 0 and len(report["rank_accuracy"]) == 2
-    heads, info = load_heads(tmp_path / "heads", "cpu", torch.float32)
-    assert heads.num_heads == 2 and info.hidden_size == 64 and info.vocab_size == 64
-    assert info.trained_on["options"]["epochs"] == 2 and info.base_model == str(tmp_path / "model")
+    for out, flags in (("medusa", []), ("heads", ["--token-input"])):
+        rc = main([
+            "heads", "train", "--target", str(tmp_path / "model"), "--chats", str(tmp_path / "chats.jsonl"),
+            "--out", str(tmp_path / out), "--device", "cpu", "--num-heads", "2", "--epochs", "2",
+            "--tokens-per-step", "128", *flags,
+        ])  # fmt: skip
+        assert rc == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["chats"] == 12 and report["steps"] > 0 and len(report["rank_accuracy"]) == 2
+        heads, info = load_heads(tmp_path / out, "cpu", torch.float32)
+        assert heads.num_heads == 2 and info.hidden_size == 64 and info.vocab_size == 64
+        assert info.trained_on["options"]["epochs"] == 2 and info.base_model == str(tmp_path / "model")
+        assert info.token_input == bool(flags) and heads.token_input == bool(flags)
+    trained = load_heads(tmp_path / "heads", "cpu", torch.float32)[0].token_weight
+    assert trained is not None and trained.abs().sum() > 0  # the token's weights learned something

@@ -39,6 +39,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=float, default=d.lr)
     t.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
     t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument(
+        "--token-input",
+        action="store_true",
+        help="token-conditioned heads: each also reads the embedding of the token the target decided "
+        "(twice the heads' weights; default: Medusa's heads, which read the hidden state only)",
+    )
     t.add_argument("--chats", default=None, help="JSONL of chats to train on instead of generating them")
     t.add_argument("--save-chats", default=None, help="also write the generated chats to this JSONL file")
     t.set_defaults(func=_cmd_train)
@@ -56,6 +62,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         num_heads=args.num_heads, conversations=args.conversations, question_tokens=args.question_tokens,
         answer_tokens=args.answer_tokens, generate_batch=args.generate_batch, epochs=args.epochs, lr=args.lr,
         tokens_per_step=args.tokens_per_step, seed=args.seed,
+        token_input=args.token_input,
     )  # fmt: skip
     device = args.device or str(default_device())
     model = load_model(args.target, dtype=args.dtype, device=device)

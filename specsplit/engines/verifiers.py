@@ -268,10 +268,11 @@ class FullVerifier:
         result = _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
         result.choices = chosen
         if guesses and eng.heads is not None:  # a second read, off the one-graph path only
-            row = h2d(
-                torch.tensor([nodes[-1] + 1 if nodes else 0], dtype=torch.long), eng.heads.tap.rows.device
+            at = h2d(  # the row that decided the next token, and that token
+                torch.tensor([nodes[-1] + 1 if nodes else 0, next_token], dtype=torch.long),
+                eng.heads.tap.rows.device,
             )
-            result.guesses = HeadGuesses(*eng.heads.nodes(eng.heads.guesses(row).tolist()))
+            result.guesses = HeadGuesses(*eng.heads.nodes(eng.heads.guesses(at[:1], at[1:]).tolist()))
         if any(returns):
             rows = h2d(torch.tensor([0] + [i + 1 for i in nodes], dtype=torch.long), scores.device)
             if returns[0]:
@@ -377,7 +378,7 @@ class FullVerifier:
                 if max_depth:
                     last = outcome.path.index_select(0, (outcome.num_accepted - 1).clamp_min(0).view(1))
                     row = torch.where(outcome.num_accepted > 0, last + 1, row)
-                guesses = heads.guesses(row)
+                guesses = heads.guesses(row, outcome.next_token)
             return outcome.path, outcome.num_accepted, outcome.next_token, outcome.choice, guesses
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)

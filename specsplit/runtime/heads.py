@@ -4,8 +4,14 @@ A *draft head* ``k`` (1-based) reads the target's last hidden state ``h_t`` (the
 layer at the row that decided the next token ``x_{t+1}``) and guesses the token ``k`` places after
 it, ``x_{t+1+k}``::
 
-    z_k = h_t + SiLU(W_k h_t + b_k)        # one residual block per head  [K, H]
-    logits_k = lm_head(z_k)                # the target's own output layer, shared and frozen
+    z_k = h_t + SiLU(W_k h_t + U_k e(x_{t+1}) + b_k)   # one residual block per head  [K, H]
+    logits_k = lm_head(z_k)                            # the target's own output layer, frozen
+
+``e(x_{t+1})`` is the target's input embedding of the token that row decided (*token-conditioned*
+heads, ``HeadsInfo.token_input``; Medusa's original heads have no ``U``). The hidden state only
+implies that token through the output layer's argmax, which one block cannot compute; given the
+token, head 1 no longer guesses the token after an unknown one (EAGLE's observation about features
+and the shifted token). The token is on the device when the heads run, so this costs one gather.
 
 All ``K`` heads run as one batched product on ONE row after each verification, so a round's
 guesses for the next ``K`` tokens cost about one extra output-layer product, not ``K`` model steps.
@@ -18,7 +24,7 @@ guesses are all wrong costs a round that commits the target's own token, as a pl
 
 Heads are trained for one target (``specsplit heads train``, :mod:`specsplit.runtime.heads_training`)
 and saved as a directory: ``heads.safetensors`` (``weight`` `[K, H, H]`, ``bias`` `[K, H]`) and
-``heads.json`` (:class:`HeadsInfo`).
+``heads.json`` (:class:`HeadsInfo`); token-conditioned heads add ``token_weight`` `[K, H, H]`.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class HeadsInfo:
         rank_accuracy: `[K][R]`, how often head ``k``'s rank-``r`` token was the target's token on
             held-out text; :func:`choice_paths` builds the guess tree from it.
         trained_on: how the training data was made (informational).
+        token_input: the heads also read the embedding of the token the row decided (``U_k``).
     """
 
     num_heads: int
@@ -59,6 +66,7 @@ class HeadsInfo:
     base_model: str = ""
     rank_accuracy: list[list[float]] = field(default_factory=list)
     trained_on: dict[str, Any] = field(default_factory=dict)
+    token_input: bool = False
 
 
 class DraftHeads(torch.nn.Module):
@@ -67,9 +75,12 @@ class DraftHeads(torch.nn.Module):
     Args:
         num_heads: ``K``, the tokens guessed after the target's next one.
         hidden_size: the target's hidden size ``H``.
+        token_input: each block also reads the embedding of the decided token (``U_k``).
     """
 
-    def __init__(self, num_heads: int, hidden_size: int):
+    token_weight: torch.nn.Parameter | None
+
+    def __init__(self, num_heads: int, hidden_size: int, token_input: bool = False):
         super().__init__()
         if num_heads < 1 or hidden_size < 1:
             raise ConfigError(
@@ -78,36 +89,62 @@ class DraftHeads(torch.nn.Module):
         # Zero blocks start every head as the identity: each first guesses the target's next token.
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, out, in]
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, H]
+        if token_input:
+            self.token_weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        else:
+            self.register_parameter("token_weight", None)
 
     @property
     def num_heads(self) -> int:
         return int(self.weight.shape[0])
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """`[M, H]` hidden states → `[K, M, H]` each head's input of the output layer."""
+    @property
+    def token_input(self) -> bool:
+        return self.token_weight is not None
+
+    def _token(self, e: torch.Tensor | None) -> torch.Tensor:
+        if e is None:
+            raise ConfigError("token-conditioned draft heads need the decided tokens' embeddings")
+        return e.to(self.weight.dtype)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+        """`[M, H]` hidden states (and, for token-conditioned heads, `[M, H]` embeddings of the
+        tokens their rows decided) → `[K, M, H]` each head's input of the output layer."""
         y = torch.einsum("mi,koi->kmo", h, self.weight) + self.bias[:, None]
+        if self.token_weight is not None:
+            y = y + torch.einsum("mi,koi->kmo", self._token(e), self.token_weight)
         return h.unsqueeze(0) + F.silu(y)
 
-    def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+    def block(self, k: int, h: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
         """Head ``k`` (0-based) alone: `[M, H]` → `[M, H]` (training computes heads one at a time)."""
-        return h + F.silu(F.linear(h, self.weight[k], self.bias[k]))
+        y = F.linear(h, self.weight[k], self.bias[k])
+        if self.token_weight is not None:
+            y = y + F.linear(self._token(e), self.token_weight[k])
+        return h + F.silu(y)
 
 
-def head_logits(heads: DraftHeads, lm_head: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """`[K, M, V]` the heads' logits for `[M, H]` hidden states, through the target's output layer
-    ``lm_head`` (`[V, H]`, its dtype)."""
-    z = heads(h.to(heads.weight.dtype))
+def head_logits(
+    heads: DraftHeads, lm_head: torch.Tensor, h: torch.Tensor, e: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[K, M, V]` the heads' logits for `[M, H]` hidden states (and the decided tokens' `[M, H]`
+    embeddings ``e``), through the target's output layer ``lm_head`` (`[V, H]`, its dtype)."""
+    z = heads(h.to(heads.weight.dtype), e)
     return F.linear(z.to(lm_head.dtype), lm_head)
 
 
 def head_guesses(
-    heads: DraftHeads, out_layer: torch.nn.Module, h: torch.Tensor, ranks: int, dtype: torch.dtype
+    heads: DraftHeads,
+    out_layer: torch.nn.Module,
+    h: torch.Tensor,
+    ranks: int,
+    dtype: torch.dtype,
+    e: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[K * ranks]` int64: each head's ``ranks`` best tokens for ONE hidden state ``h`` (`[1, H]`),
-    head by head, best first, through the target's output layer module ``out_layer`` (whatever form
-    its weight takes: packed for the CPU, say) in its ``dtype``; device ops only (this runs inside a
-    captured round)."""
-    z = heads(h.to(heads.weight.dtype))[:, 0]  # [K, H]
+    """`[K * ranks]` int64: each head's ``ranks`` best tokens for ONE hidden state ``h`` (`[1, H]`;
+    ``e``: the decided token's `[1, H]` embedding), head by head, best first, through the target's
+    output layer module ``out_layer`` (whatever form its weight takes: packed for the CPU, say) in
+    its ``dtype``; device ops only (this runs inside a captured round)."""
+    z = heads(h.to(heads.weight.dtype), e)[:, 0]  # [K, H]
     logits = out_layer(z.to(dtype))  # [K, V]
     return logits.topk(ranks, dim=-1).indices.reshape(-1)
 
@@ -250,7 +287,7 @@ def load_heads(
     except TypeError as e:
         raise ConfigError(f"draft heads: {d / INFO_FILE} is not a heads description ({e})") from None
     tensors = load_file(str(d / WEIGHTS_FILE))
-    heads = DraftHeads(info.num_heads, info.hidden_size)
+    heads = DraftHeads(info.num_heads, info.hidden_size, info.token_input)
     try:
         heads.load_state_dict(tensors)
     except RuntimeError as e:
@@ -288,16 +325,23 @@ class TargetHeads:
         self.ranks = len(info.rank_accuracy[0])
         self.paths = choice_paths(info.rank_accuracy, nodes)
         self._slots, self._parents, self._depths = choice_layout(self.ranks, self.paths)
+        self.embed = model.get_input_embeddings() if info.token_input else None
         self.tap = install_tap(model, max_rows)
         logger.info(
-            "draft heads: %d heads from %s, %d guess nodes a round", info.num_heads, path, len(self.paths)
+            "draft heads: %d%s heads from %s, %d guess nodes a round",
+            info.num_heads,
+            " token-conditioned" if info.token_input else "",
+            path,
+            len(self.paths),
         )
 
-    def guesses(self, row: torch.Tensor) -> torch.Tensor:
+    def guesses(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """`[K * ranks]` int64 guesses from the hidden state of logits row ``row`` (`[1]` int64, on
-        the device) of the last forward; device ops only."""
+        the device) of the last forward, which decided ``token`` (`[1]` int64, on the device);
+        device ops only."""
         h = self.tap.rows.index_select(0, row)  # [1, H]
-        return head_guesses(self.heads, self.tap.inner, h, self.ranks, self.dtype)
+        e = None if self.embed is None else self.embed(token.view(1))  # [1, H]
+        return head_guesses(self.heads, self.tap.inner, h, self.ranks, self.dtype, e)
 
     def nodes(self, guesses: list[int]) -> tuple[list[int], list[int], list[int]]:
         """The guess tree's ``(tokens, parents, depths)`` for one round's host guesses (the shape is

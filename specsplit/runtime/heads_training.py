@@ -7,7 +7,8 @@ No dataset is needed, which matters offline: the target writes its own training 
    samples the rest of the user's message (the Magpie recipe for instruction-tuned models).
 2. **Answers.** The target answers each question greedily, in batches. Greedy answers are exactly
    what the heads must predict when they draft for greedy decoding (self-distillation).
-3. **Heads.** With the target frozen, its last hidden states over each answer train head ``k`` to
+3. **Heads.** With the target frozen, its last hidden states over each answer (and, for
+   token-conditioned heads, the embedding of the token each row decided) train head ``k`` to
    predict the token ``k + 1`` places ahead (cross-entropy, head ``k`` weighted ``0.8 ** (k-1)`` as in
    Medusa). Held-out chats measure each head's rank accuracies, saved with the heads
    (:class:`~specsplit.runtime.heads.HeadsInfo`) to build the guess tree.
@@ -56,10 +57,11 @@ class HeadsTrainingOptions:
         holdout: share of the chats kept out of training to measure rank accuracies.
         ranks: ranks measured per head (the widest a guess tree branches).
         seed: seeds sampling, shuffling and the held-out split.
+        token_input: token-conditioned heads (:class:`~specsplit.runtime.heads.DraftHeads`).
     """
 
     num_heads: int = 4
-    conversations: int = 4096
+    conversations: int = 16384
     question_tokens: int = 64
     answer_tokens: int = 256
     generate_batch: int = 256
@@ -69,6 +71,7 @@ class HeadsTrainingOptions:
     holdout: float = 0.05
     ranks: int = 10
     seed: int = 0
+    token_input: bool = False
 
 
 @dataclass
@@ -256,7 +259,8 @@ def train_heads(
     n_held = max(1, int(len(chats) * opts.holdout))
     held, train = chats[:n_held], chats[n_held:]
     torch.manual_seed(opts.seed)
-    heads = DraftHeads(opts.num_heads, hidden_size).to(dev)
+    embed = model.get_input_embeddings()
+    heads = DraftHeads(opts.num_heads, hidden_size, opts.token_input).to(dev)
     optim = torch.optim.AdamW(heads.parameters(), lr=opts.lr, weight_decay=0.0)
     steps_per_epoch = len(_batches(train, opts.tokens_per_step, random.Random(0)))
     total = max(1, steps_per_epoch * opts.epochs)
@@ -279,7 +283,8 @@ def train_heads(
                 b, p, labels = _rows(k, ids, usable)
                 if labels.numel() == 0:
                     continue
-                z = heads.block(k - 1, hidden[b, p].float())
+                e = embed(ids[b, p + 1]).float() if opts.token_input else None
+                z = heads.block(k - 1, hidden[b, p].float(), e)
                 logits = F.linear(z.to(lm_head.dtype), lm_head)
                 loss = F.cross_entropy(logits.float(), labels)
                 (loss * 0.8 ** (k - 1)).backward()
@@ -307,6 +312,7 @@ def train_heads(
         vocab_size=int(lm_head.shape[0]),
         base_model=base_model,
         rank_accuracy=acc,
+        token_input=opts.token_input,
     )
     return heads, info, report
 
@@ -324,6 +330,11 @@ def evaluate_heads(
     (:func:`~specsplit.runtime.heads.choice_paths` of those accuracies) accepts per round, on
     average over the rows where every head has a label."""
     lm_head = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings()
+
+    def decided(ids: torch.Tensor, b: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
+        return embed(ids[b, p + 1]) if heads.token_input else None  # the rows' decided tokens
+
     k_heads = heads.num_heads
     hits = torch.zeros(k_heads, ranks, dtype=torch.float64)
     counts = torch.zeros(k_heads, dtype=torch.float64)
@@ -335,12 +346,15 @@ def evaluate_heads(
             bk, pk, labels = _rows(k, ids, usable)
             if labels.numel() == 0:
                 continue
-            top = head_logits(heads, lm_head, hidden[bk, pk])[k - 1].topk(ranks, dim=-1).indices
+            top = head_logits(heads, lm_head, hidden[bk, pk], decided(ids, bk, pk))[k - 1]
+            top = top.topk(ranks, dim=-1).indices
             match = top == labels[:, None]
             hits[k - 1] += match.sum(0).double().cpu()
             counts[k - 1] += labels.numel()
         if b.numel():
-            top = head_logits(heads, lm_head, hidden[b, p]).topk(ranks, dim=-1).indices  # [K, M, R]
+            top = (
+                head_logits(heads, lm_head, hidden[b, p], decided(ids, b, p)).topk(ranks, dim=-1).indices
+            )  # [K, M, R]
             labels = torch.stack([ids[b, p + 1 + k] for k in range(1, k_heads + 1)])  # [K, M]
             match = top == labels[..., None]
             rank = torch.where(match.any(-1), match.float().argmax(-1), torch.full_like(labels, ranks))
