@@ -77,7 +77,8 @@ def noisy_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Modu
 @pytest.fixture
 def outcome_reads(monkeypatch):
     """Counts ``VerifyOutcome.to_host`` calls, lifting CUDA's sync-debug "error" mode for exactly
-    that read: the one device-to-host read a round is allowed. Returns ``{"n": reads}``."""
+    that read (the one device-to-host read a round is allowed), and only where the test armed it.
+    Yields ``{"n": reads}``; the check is off again after the test."""
     from specsplit.core import verification
 
     reads = {"n": 0}
@@ -88,14 +89,17 @@ def outcome_reads(monkeypatch):
         reads["n"] += 1
         if not cuda:
             return orig(self, *args, **kwargs)
+        armed = torch.cuda.get_sync_debug_mode()  # before the test arms it (a first round): stays off
         torch.cuda.set_sync_debug_mode(0)
         try:
             return orig(self, *args, **kwargs)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(armed)
 
     monkeypatch.setattr(verification.VerifyOutcome, "to_host", allowed_read)
-    return reads
+    yield reads
+    if cuda:  # whatever the test did, the tests after it run unchecked
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def assert_same_sampling(target: Any, draft: Any, ids: torch.Tensor, configs: list[Any], seed: int,
