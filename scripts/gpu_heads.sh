@@ -26,7 +26,7 @@ python3 benchmarks/round_kernels.py --device cuda:0 --sizes 32 --compile --heads
 echo "round_kernels rc=$?" >> "$OUT/progress"
 python3 -m specsplit.cli bench --suite full --device cuda:0 --draft self:2 --repeats 1 --prompts-per-category 2 \
   --max-new-tokens 128 --dtype auto --cuda-graphs --fuse-projections --no-tie-analysis --out "$OUT" \
-  --tag heads-compiled --draft-heads "$HEADS" --heads-nodes "${HEADS_NODES:-16}" \
+  --tag heads-compiled --draft-heads "$HEADS" --heads-nodes "${HEADS_NODES:-32}" \
   --decoders specsplit-target-only-compiled,specsplit-lookahead-always-compiled,specsplit-heads-lookahead-always-compiled \
   > "$OUT/bench-heads.log" 2>&1
 echo "bench rc=$?" >> "$OUT/progress"

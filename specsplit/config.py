@@ -392,7 +392,7 @@ class TargetConfig:
     stateless: bool = False
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
     draft_heads: str | None = None
-    draft_heads_nodes: int = 16
+    draft_heads_nodes: int = 32
     tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:

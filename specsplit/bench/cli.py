@@ -160,7 +160,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="draft heads of the target for the -heads decoders (`specsplit heads train`); without it "
         "they are skipped",
     )
-    p.add_argument("--heads-nodes", type=int, default=16, help="tree nodes the heads' guesses take a round")
+    p.add_argument("--heads-nodes", type=int, default=32, help="tree nodes the heads' guesses take a round")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--prompts",

@@ -244,7 +244,7 @@ class BuildOptions:
     frspec_vocab: int = FRSPEC_VOCAB
     lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
     draft_heads: str | None = None
-    heads_nodes: int = 16
+    heads_nodes: int = 32
 
 
 @dataclass
@@ -445,7 +445,7 @@ def _local_decoder(
     from specsplit.config import DraftConfig, SpecSplitConfig, TargetConfig
     from specsplit.generator import SpecSplitGenerator
 
-    target, heads, nodes = m.specsplit_target, None, 16
+    target, heads, nodes = m.specsplit_target, None, 32
     if spec.heads and opts is not None and opts.draft_heads:
         target, heads, nodes = m.heads_target(), opts.draft_heads, opts.heads_nodes
 

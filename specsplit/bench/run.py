@@ -141,7 +141,7 @@ class BenchOptions:
     # the -lookahead decoders' window: (width, levels, n-gram nodes beside it)
     lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
     draft_heads: str | None = None  # the -heads decoders' heads directory
-    heads_nodes: int = 16  # tree nodes their guesses take a round
+    heads_nodes: int = 32  # tree nodes their guesses take a round
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""

@@ -106,7 +106,7 @@ def add_heads_flags(p: argparse.ArgumentParser) -> None:
         "those guesses too (lossless)",
     )
     p.add_argument(
-        "--draft-heads-nodes", type=int, default=None, metavar="N", help="tree nodes the guesses take (16)"
+        "--draft-heads-nodes", type=int, default=None, metavar="N", help="tree nodes the guesses take (32)"
     )
 
 
