@@ -8,6 +8,9 @@ GPU time of each kernel name a round is listed side by side, largest growth firs
 random with the Qwen2.5-Coder-1.5B shapes (no download or staging; acceptance does not matter for
 the kernels a round runs). ``--eager-ops`` runs the same rounds on the static path without
 capture and lists the GPU time by operator instead (a replayed graph's kernels carry no operator).
+Each size's profile also splits a round's wall time on the device (:func:`timeline`): busy, idle
+inside the round (launch gaps, dependencies) and idle between rounds (host work that no device
+work overlaps); ``--trace`` keeps each profile's Chrome trace beside the report.
 
     python benchmarks/round_kernels.py --device cuda:0 [--sizes 4,16,32] [--compile] [--eager-ops] [--tag h200]
     python benchmarks/round_kernels.py --device cpu --strided
@@ -105,6 +108,38 @@ class _Strided(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def timeline(events: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Where a round's wall time goes on the device, from profiled device activity.
+
+    Rounds are split at their one device-to-host copy (the outcome read: an event whose name holds
+    ``DtoH``). Over the complete rounds (the first starts after the first read), returns µs a round:
+    ``busy`` (the union of kernels, copies and memsets), ``inside`` (the device idle between a round's
+    first activity and the end of its read: launch gaps and dependencies inside the graph) and
+    ``between`` (idle from one round's read to the next round's first activity: the host's work, which
+    no device work overlaps), plus ``rounds``.
+
+    Args:
+        events: ``(start µs, end µs, name)`` of every device activity, in any order.
+    """
+    evs = sorted(events)
+    reads = [i for i, (_, _, name) in enumerate(evs) if "DtoH" in name]
+    out = {"busy": 0.0, "inside": 0.0, "between": 0.0, "rounds": 0.0}
+    for prev, last in zip(reads, reads[1:], strict=False):
+        body = evs[prev + 1 : last + 1]
+        busy, cursor = 0.0, body[0][0]
+        for start, end, _ in body:  # union of intervals, sorted by start
+            if end > cursor:
+                busy += end - max(start, cursor)
+                cursor = end
+        span = body[-1][1] - body[0][0]
+        out["busy"] += busy
+        out["inside"] += span - busy
+        out["between"] += max(0.0, body[0][0] - evs[prev][1])
+        out["rounds"] += 1
+    n = out["rounds"] or 1.0
+    return {k: (v if k == "rounds" else v / n) for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0")
@@ -117,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "--strided", action="store_true", help="no timing; the operators that get operands with gaps"
     )
     p.add_argument("--heads", type=int, default=0, help="random draft heads with N guess nodes (0: none)")
+    p.add_argument("--trace", action="store_true", help="also write each size's Chrome trace (.trace.json)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -161,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows: dict[str, dict[str, float]] = {}
     times: dict[int, float] = {}
+    split: dict[str, dict[str, float]] = {}
+    stem = "round_kernels" + (f"-{a.tag}" if a.tag else "")
     for n in sizes:
         tree = TokenTree.empty() if n == 0 else _tree(n, dev)
         for _ in range(3):  # capture (and compile) this size's round graph outside the timing
@@ -190,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
                 if e.device_type.name == "CUDA":
                     per[e.name[:90]] += e.device_time / 10  # microseconds a round
         rows[str(n)] = dict(per)
-        print(f"{n} nodes: {times[n]:.3f} ms a round", flush=True)
+        device = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type.name == "CUDA"
+        ]
+        split[str(n)] = timeline(device)
+        if a.trace:
+            OUT.mkdir(exist_ok=True)
+            prof.export_chrome_trace(str(OUT / f"{stem}-{n}.trace.json"))
+        print(f"{n} nodes: {times[n]:.3f} ms a round; device µs a round {split[str(n)]}", flush=True)
     print({n: round(t, 3) for n, t in times.items()})
     if not rows:
         return 0
@@ -227,10 +274,23 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             "| **all kernels** | " + " | ".join(f"{sum(rows[str(n)].values()):.1f}" for n in sizes) + " |"
         )
-    stem = "round_kernels" + (f"-{a.tag}" if a.tag else "")
+    if split:
+        lines += [
+            "",
+            "Device time a round (µs; rounds split at their one device-to-host read): busy, idle inside a "
+            "round (launch gaps and dependencies), idle between rounds (host work nothing overlaps)",
+            "",
+            "| nodes | ms a round | busy | idle inside | idle between |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {n} | {times[int(n)]:.3f} | {t['busy']:.1f} | {t['inside']:.1f} | {t['between']:.1f} |"
+            for n, t in split.items()
+        ]
     OUT.mkdir(exist_ok=True)
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (OUT / f"{stem}.json").write_text(json.dumps({"ms_a_round": times, "kernels_us": rows}, indent=1))
+    result = {"ms_a_round": times, "kernels_us": rows, "device_us_a_round": split}
+    (OUT / f"{stem}.json").write_text(json.dumps(result, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -48,3 +48,19 @@ def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys, monkeypatch):
     assert _script().main(args) == 0
     assert "16:" in capsys.readouterr().out
     assert ran and all(ran)
+
+
+def test_timeline_splits_rounds_at_their_read_into_busy_inside_and_between():
+    """Two complete rounds after the first read: overlapping kernels count once as busy, a gap
+    between a round's kernels is idle inside it, and the wait from a read to the next round's first
+    kernel is idle between rounds."""
+    split = _script().timeline([
+        (0, 10, "Memcpy DtoH (Device -> Pageable)"),  # the end of a round before the profile's first
+        (30, 50, "kernel a"), (40, 60, "kernel b"), (70, 80, "kernel c"), (80, 90, "Memcpy DtoH"),
+        (100, 150, "Memcpy HtoD"), (150, 160, "Memcpy DtoH"),
+        (170, 175, "kernel d"),  # a round without its read: not counted
+    ])  # fmt: skip
+    assert split["rounds"] == 2
+    # round 1: busy 30 (30-60) + 20 (70-90) = 50, span 60, idle inside 10, between 20 (10 -> 30)
+    # round 2: busy 60 (100-160), idle inside 0, between 10 (90 -> 100)
+    assert split == {"busy": 55.0, "inside": 5.0, "between": 15.0, "rounds": 2}
