@@ -16,7 +16,7 @@ HEADS="${HEADS_DIR:-.models/heads-qwen1.5b}"
 mkdir -p "$OUT"
 if [ ! -f "$HEADS/heads.json" ]; then
   python3 -m specsplit.cli -v heads train --target qwen2.5-coder-1.5b --out "$HEADS" \
-    --conversations "${CHATS:-8192}" --generate-batch 1024 --epochs "${EPOCHS:-3}" > "$OUT/heads-train.log" 2>&1
+    --conversations "${CHATS:-16384}" --generate-batch 1024 --epochs "${EPOCHS:-3}" > "$OUT/heads-train.log" 2>&1
   echo "train rc=$?" >> "$OUT/progress"
 fi
 python3 benchmarks/round_kernels.py --device cuda:0 --sizes 32 --compile --tag h200-compiled-no-heads \
