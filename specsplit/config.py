@@ -372,8 +372,10 @@ class TargetConfig:
             next tokens from its own hidden state, and the n-gram drafters' rounds verify those
             guesses too (lossless: they are only proposals). The target's output layer is wrapped in
             place to keep its hidden states. ``None``: no heads.
-        draft_heads_nodes: tree nodes the heads' guesses take in a round (their most likely rank
-            paths).
+        draft_heads_nodes: tree nodes the heads' guesses take in a round.
+        draft_heads_tree: ``"dynamic"``: each round's most probable rank paths under the heads' own
+            probabilities, picked on the device; ``"static"``: the same paths every round, the most
+            often right on held-out text (Medusa's tree).
     """
 
     model: str | None = None
@@ -393,6 +395,7 @@ class TargetConfig:
     specpv: SpecPVConfig = field(default_factory=SpecPVConfig)
     draft_heads: str | None = None
     draft_heads_nodes: int = 32
+    draft_heads_tree: str = "dynamic"
     tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
@@ -405,6 +408,10 @@ class TargetConfig:
             raise ConfigError(
                 f"target.draft_heads_nodes must be in [1, max_tree_nodes={self.max_tree_nodes}], "
                 f"got {self.draft_heads_nodes}"
+            )
+        if self.draft_heads_tree not in ("dynamic", "static"):
+            raise ConfigError(
+                f"target.draft_heads_tree must be 'dynamic' or 'static', got {self.draft_heads_tree!r}"
             )
 
 

@@ -25,7 +25,9 @@ from specsplit.core.tree import TokenTree
 from specsplit.errors import ConfigError
 from specsplit.messages import VerifyRequest
 from specsplit.runtime.heads import (
+    POOL_PER_NODE,
     DraftHeads,
+    GuessPool,
     HeadsInfo,
     HiddenTap,
     choice_paths,
@@ -33,6 +35,7 @@ from specsplit.runtime.heads import (
     install_tap,
     load_heads,
     paths_to_nodes,
+    pick_guess_tree,
     save_heads,
 )
 from specsplit.runtime.heads_training import (
@@ -66,11 +69,13 @@ def _random_heads(model, tmp_path, num_heads=3, seed=0, scale=0.05, token_input=
     return save_heads(heads, info, tmp_path / f"heads{seed}-{int(token_input)}")
 
 
-def _config(heads_dir, graphs=False, window=0, nodes=8, policy="always", packed=None) -> SpecSplitConfig:
+def _config(
+    heads_dir, graphs=False, window=0, nodes=8, policy="always", packed=None, tree="dynamic"
+) -> SpecSplitConfig:
     ngram = NgramConfig(lookahead=window, lookahead_policy=policy)
     target = TargetConfig(
         cuda_graphs=graphs, draft_heads=str(heads_dir), draft_heads_nodes=nodes, pack_weights=packed,
-        tuning=EngineTuning(graph_capacity=512),
+        draft_heads_tree=tree, tuning=EngineTuning(graph_capacity=512),
     )  # fmt: skip
     return SpecSplitConfig(drafter="ngram", tuning=PipelineTuning(ngram=ngram), target=target)
 
@@ -98,6 +103,42 @@ def test_choice_paths_are_the_best_scored_paths_closed_under_prefixes():
     )
     assert best_out <= scores[-1]
     assert choice_paths(acc, 0) == [] and len(choice_paths(acc, 100)) == 3 + 9 + 27
+
+
+def _most_probable_paths(logits, ranks, pool, nodes):
+    """Oracle of the dynamic tree, on the host: score every pool path by its tokens' log-softmax,
+    keep the ``nodes`` best (a shallower path first on a tie), in pool order, as tree nodes."""
+    logp = logits.double().log_softmax(-1)
+    top = logits.topk(ranks, dim=-1).indices
+    score = [sum(float(logp[k, top[k, r]]) for k, r in enumerate(path)) for path in pool]
+    best = sorted(range(len(pool)), key=lambda i: (-score[i], len(pool[i]), i))[:nodes]
+    chosen = [pool[i] for i in sorted(best)]
+    at = {path: j for j, path in enumerate(chosen)}
+    tokens = [int(top[len(path) - 1, path[-1]]) for path in chosen]
+    return tokens, [at[path[:-1]] if len(path) > 1 else -1 for path in chosen], [len(path) for path in chosen]
+
+
+@pytest.mark.parametrize("peaked", [False, True], ids=["spread", "peaked"])
+def test_the_dynamic_tree_is_the_most_probable_paths_closed_under_prefixes(peaked):
+    """Each round's tree: the pool paths of highest probability under the heads' distributions, in
+    an order where a parent comes first; also when a head's top probability rounds to 1 (a path
+    then scores as its prefix but for the depth tie-break)."""
+    torch.manual_seed(3)
+    heads, ranks, nodes = 3, 4, 12
+    acc = [[0.6 / (r + 1) / (k + 1) for r in range(ranks)] for k in range(heads)]
+    pool_paths = choice_paths(acc, nodes * POOL_PER_NODE)
+    pool = GuessPool.build(pool_paths, heads, ranks, torch.device("cpu"))
+    for trial in range(20):
+        logits = torch.randn(heads, 50) * (3 + trial % 4)
+        if peaked:
+            logits[:, 7] = 200.0  # probability 1.0 in float32 for each head's best token
+        top = logits.topk(ranks, dim=-1).indices
+        packed = pick_guess_tree(logits, top, pool, nodes).tolist()
+        tokens, parents, depths = packed[:nodes], packed[nodes : 2 * nodes], packed[2 * nodes :]
+        assert all(-1 <= p < i for i, p in enumerate(parents))  # a tree in topological order
+        assert all(d == (1 if p < 0 else depths[p] + 1) for p, d in zip(parents, depths, strict=True))
+        if not peaked:  # (ties between unrelated paths may break either way when peaked)
+            assert (tokens, parents, depths) == _most_probable_paths(logits, ranks, pool_paths, nodes)
 
 
 def test_guesses_become_nodes_head_by_head():
@@ -137,19 +178,29 @@ def test_the_tap_works_through_torch_compile():
 
 
 # ---------------------------------------------------------------------- the target's guesses
-@pytest.mark.parametrize("token_input", [True, False], ids=["token", "hidden-only"])
+@pytest.mark.parametrize(
+    "token_input,kind",
+    [(True, "dynamic"), (False, "dynamic"), (True, "static")],
+    ids=["token-dynamic", "hidden-only-dynamic", "token-static"],
+)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
 def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(
-    llama_target, tmp_path, graphs, token_input
+    llama_target, tmp_path, graphs, token_input, kind
 ):
     """``return_guesses``: guesses from the row that decided the next token (and from that token's
     embedding), equal to the heads applied to HF's own hidden state; a request that does not ask
     gets none."""
     heads_dir = _random_heads(llama_target, tmp_path, token_input=token_input)
     heads, info = load_heads(heads_dir, "cpu", torch.float32)
-    paths = choice_paths(info.rank_accuracy, 8)
+    pool = choice_paths(info.rank_accuracy, 8 * (POOL_PER_NODE if kind == "dynamic" else 1))
+
+    def want_nodes(top_logits):  # [K, V] -> the round's tree, as the engine should pick it
+        if kind == "dynamic":
+            return _most_probable_paths(top_logits, RANKS, pool, 8)
+        return paths_to_nodes(top_logits.topk(RANKS, dim=-1).indices.reshape(-1).tolist(), RANKS, pool)
+
     target = copy.deepcopy(llama_target)  # the heads wrap its output layer: the fixture stays as it is
-    with SpecSplitGenerator(target, None, config=_config(heads_dir, graphs=graphs)) as gen:
+    with SpecSplitGenerator(target, None, config=_config(heads_dir, graphs=graphs, tree=kind)) as gen:
         engine = gen.target_engine
         assert engine is not None and engine.heads is not None
         first = engine.verify(VerifyRequest("s", TokenTree.empty(), PROMPT, 0, return_guesses=True))
@@ -174,15 +225,13 @@ def test_verify_returns_guesses_from_the_row_that_decided_the_next_token(
                     else None
                 )
                 top = head_logits(heads, llama_target.get_output_embeddings().weight, h, e)[:, 0]
-            want = paths_to_nodes(top.topk(RANKS, dim=-1).indices.reshape(-1).tolist(), RANKS, paths)
+            want = want_nodes(top)
             assert (r.guesses.token_ids, r.guesses.parents, r.guesses.depths) == want
             if token_input:  # the token matters: another one would have given other guesses
                 with torch.no_grad():
                     e = llama_target.get_input_embeddings()(torch.tensor([r.next_token_id + 1]))
                     top = head_logits(heads, llama_target.get_output_embeddings().weight, h, e)[:, 0]
-                assert (
-                    paths_to_nodes(top.topk(RANKS, dim=-1).indices.reshape(-1).tolist(), RANKS, paths) != want
-                )
+                assert want_nodes(top) != want
 
 
 @pytest.mark.parametrize(
@@ -233,6 +282,8 @@ def test_heads_that_do_not_fit_the_target_are_refused(llama_target, tmp_path):
         SpecSplitGenerator(llama_target, None, config=_config(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="draft_heads_nodes"):
         TargetConfig(draft_heads="x", draft_heads_nodes=0)
+    with pytest.raises(ConfigError, match="draft_heads_tree"):
+        TargetConfig(draft_heads="x", draft_heads_tree="wide")
     bad = _random_heads(llama_target, tmp_path, seed=3)
     (bad / "heads.json").write_text(json.dumps({"num_heads": 2}))
     with pytest.raises(ConfigError, match="heads description"):
@@ -301,3 +352,23 @@ def test_heads_train_command_trains_and_saves_heads_that_load(tmp_path, capsys):
         assert info.token_input == bool(flags) and heads.token_input == bool(flags)
     trained = load_heads(tmp_path / "heads", "cpu", torch.float32)[0].token_weight
     assert trained is not None and trained.abs().sum() > 0  # the token's weights learned something
+
+
+def test_heads_flags_set_the_target_config():
+    """``--draft-heads DIR --draft-heads-nodes N --draft-heads-tree T`` (``generate``, ``serve target``)
+    become the target's config fields; unset flags leave the defaults."""
+    import argparse
+
+    from specsplit.cli.common import add_heads_flags, heads_overrides
+
+    p = argparse.ArgumentParser()
+    add_heads_flags(p)
+    args = p.parse_args(["--draft-heads", "h/", "--draft-heads-nodes", "12", "--draft-heads-tree", "static"])
+    assert heads_overrides(args) == {
+        "draft_heads": "h/",
+        "draft_heads_nodes": 12,
+        "draft_heads_tree": "static",
+    }
+    assert heads_overrides(p.parse_args([])) == {}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--draft-heads-tree", "wide"])

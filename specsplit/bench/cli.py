@@ -161,6 +161,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "they are skipped",
     )
     p.add_argument("--heads-nodes", type=int, default=32, help="tree nodes the heads' guesses take a round")
+    p.add_argument(
+        "--heads-tree",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="the heads' guess tree: each round's most probable paths, or the same tree every round",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--prompts",
@@ -288,6 +294,7 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--lookahead", args.lookahead]
     if args.draft_heads:
         parts += ["--draft-heads", args.draft_heads, "--heads-nodes", str(args.heads_nodes)]
+        parts += ["--heads-tree", args.heads_tree]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -353,6 +360,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         lookahead=_lookahead(args.lookahead),
         draft_heads=args.draft_heads,
         heads_nodes=args.heads_nodes,
+        heads_tree=args.heads_tree,
     )
 
 

@@ -231,6 +231,7 @@ class BuildOptions:
         lookahead: ``(width, levels, n-gram nodes)`` of the ``-lookahead`` decoders' rounds.
         draft_heads: the ``-heads`` decoders' draft heads directory (``None``: they are skipped).
         heads_nodes: tree nodes their guesses take a round (``TargetConfig.draft_heads_nodes``).
+        heads_tree: their guess tree (``TargetConfig.draft_heads_tree``).
     """
 
     k: int = 4
@@ -245,6 +246,7 @@ class BuildOptions:
     lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
     draft_heads: str | None = None
     heads_nodes: int = 32
+    heads_tree: str = "dynamic"
 
 
 @dataclass
@@ -324,7 +326,7 @@ def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | 
     """The spec's label filled in, plus the words the run's flags add to a SpecSplit decoder."""
     tree = plan.tree if plan is not None else _trees(opts)[spec.tree]
     text = spec.label.format(k=opts.k, lookup=PROMPT_LOOKUP_TOKENS, vocab=opts.frspec_vocab,
-                             lookahead=_lookahead_words(opts), heads=f"{opts.heads_nodes} nodes",
+                             lookahead=_lookahead_words(opts), heads=f"{opts.heads_nodes} nodes, {opts.heads_tree} tree",
                              tree=_tree_words(tree), device=m.device,
                              draft_device=plan.draft_device if plan is not None else m.draft_device)  # fmt: skip
     if plan is None:
@@ -465,6 +467,7 @@ def _local_decoder(
             tuning=plan.target_tuning,
             draft_heads=heads,
             draft_heads_nodes=nodes,
+            draft_heads_tree=opts.heads_tree if opts is not None else "dynamic",
         ),  # fmt: skip
         overlap=spec.overlap,
     )

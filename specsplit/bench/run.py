@@ -142,6 +142,7 @@ class BenchOptions:
     lookahead: tuple[int, int, int] = (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES)
     draft_heads: str | None = None  # the -heads decoders' heads directory
     heads_nodes: int = 32  # tree nodes their guesses take a round
+    heads_tree: str = "dynamic"  # their guess tree (TargetConfig.draft_heads_tree)
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
@@ -150,7 +151,7 @@ class BenchOptions:
             compile=self.compile,
             tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
             dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab, lookahead=self.lookahead,
-            draft_heads=self.draft_heads, heads_nodes=self.heads_nodes,
+            draft_heads=self.draft_heads, heads_nodes=self.heads_nodes, heads_tree=self.heads_tree,
         )  # fmt: skip
 
 
@@ -455,6 +456,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "lookahead": list(opts.lookahead),
             "draft_heads": opts.draft_heads,
             "heads_nodes": opts.heads_nodes,
+            "heads_tree": opts.heads_tree,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
             "grpc_workers": opts.grpc_workers,

@@ -95,8 +95,8 @@ def add_drafter_flag(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_heads_flags(p: argparse.ArgumentParser) -> None:
-    """``--draft-heads DIR`` / ``--draft-heads-nodes N``: the target's draft heads
-    (``TargetConfig.draft_heads`` / ``draft_heads_nodes``)."""
+    """``--draft-heads DIR`` / ``--draft-heads-nodes N`` / ``--draft-heads-tree``: the target's draft
+    heads (``TargetConfig.draft_heads`` / ``draft_heads_nodes`` / ``draft_heads_tree``)."""
     p.add_argument(
         "--draft-heads",
         default=None,
@@ -108,6 +108,12 @@ def add_heads_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-heads-nodes", type=int, default=None, metavar="N", help="tree nodes the guesses take (32)"
     )
+    p.add_argument(
+        "--draft-heads-tree",
+        choices=("dynamic", "static"),
+        default=None,
+        help="dynamic (default): each round's most probable guesses; static: the same tree every round",
+    )
 
 
 def heads_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,6 +124,8 @@ def heads_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["draft_heads"] = args.draft_heads
     if getattr(args, "draft_heads_nodes", None) is not None:
         out["draft_heads_nodes"] = args.draft_heads_nodes
+    if getattr(args, "draft_heads_tree", None) is not None:
+        out["draft_heads_tree"] = args.draft_heads_tree
     return out
 
 

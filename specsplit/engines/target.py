@@ -101,7 +101,9 @@ class TargetEngine(EngineBase[KVCacheState]):
         if self.runner.head is not None or self.config.device_map is not None:
             raise ConfigError("draft heads need a target on one device with its own output layer")
         rows = self.config.max_tree_nodes + 1  # a round's rows: the pending token's and every node's
-        self.heads = TargetHeads(self.runner.require(), path, self.config.draft_heads_nodes, rows)
+        self.heads = TargetHeads(
+            self.runner.require(), path, self.config.draft_heads_nodes, rows, self.config.draft_heads_tree
+        )
 
     @property
     def device(self) -> torch.device:

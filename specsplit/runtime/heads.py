@@ -16,8 +16,11 @@ and the shifted token). The token is on the device when the heads run, so this c
 All ``K`` heads run as one batched product on ONE row after each verification, so a round's
 guesses for the next ``K`` tokens cost about one extra output-layer product, not ``K`` model steps.
 Their top-``R`` tokens form a tree of *choices* (rank paths such as ``(0, 1)``: head 1's best token,
-then head 2's second best), chosen once from the heads' measured rank accuracies
-(:func:`choice_paths`), and the next round verifies that tree beside the n-gram drafters' nodes.
+then head 2's second best), and the next round verifies that tree beside the n-gram drafters' nodes.
+Which paths: the ``static`` tree is fixed once from the heads' measured rank accuracies
+(:func:`choice_paths`, Medusa's rule); the ``dynamic`` tree (the default) is picked every round on
+the device, among a pool of such paths, by this round's own probabilities (:func:`pick_guess_tree`,
+EAGLE-2's rule): a confident head spends the nodes deep, an unsure one wide.
 
 Lossless by construction: the heads only propose; the target verifies every node. A tree whose
 guesses are all wrong costs a round that commits the target's own token, as a plain step does.
@@ -44,6 +47,7 @@ from specsplit.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "heads.safetensors"
+GUESS_TREES = ("dynamic", "static")
 INFO_FILE = "heads.json"
 
 
@@ -132,21 +136,20 @@ def head_logits(
     return F.linear(z.to(lm_head.dtype), lm_head)
 
 
-def head_guesses(
+def head_row_logits(
     heads: DraftHeads,
     out_layer: torch.nn.Module,
     h: torch.Tensor,
-    ranks: int,
     dtype: torch.dtype,
     e: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[K * ranks]` int64: each head's ``ranks`` best tokens for ONE hidden state ``h`` (`[1, H]`;
-    ``e``: the decided token's `[1, H]` embedding), head by head, best first, through the target's
-    output layer module ``out_layer`` (whatever form its weight takes: packed for the CPU, say) in
-    its ``dtype``; device ops only (this runs inside a captured round)."""
+    """`[K, V]` the heads' logits for ONE hidden state ``h`` (`[1, H]`; ``e``: the decided token's
+    `[1, H]` embedding), through the target's output layer module ``out_layer`` (whatever form its
+    weight takes: packed for the CPU, say) in its ``dtype``; device ops only (this runs inside a
+    captured round)."""
     z = heads(h.to(heads.weight.dtype), e)[:, 0]  # [K, H]
-    logits = out_layer(z.to(dtype))  # [K, V]
-    return logits.topk(ranks, dim=-1).indices.reshape(-1)
+    out: torch.Tensor = out_layer(z.to(dtype))
+    return out
 
 
 def choice_paths(rank_accuracy: list[list[float]], budget: int) -> list[tuple[int, ...]]:
@@ -182,7 +185,7 @@ def choice_paths(rank_accuracy: list[list[float]], budget: int) -> list[tuple[in
 def choice_layout(ranks: int, paths: list[tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:
     """The guess tree of the choice ``paths`` (prefix-closed, in order), once for every round:
     ``(slots, parents, depths)``, ``slots[i]`` being where node ``i``'s token sits in a round's
-    guesses (``K * ranks`` ids, as :func:`head_guesses` returns them)."""
+    guesses (``K * ranks`` ids: each head's top tokens, head by head, best first)."""
     index: dict[tuple[int, ...], int] = {}
     slots: list[int] = []
     parents: list[int] = []
@@ -202,6 +205,75 @@ def paths_to_nodes(
     """Tree nodes ``(tokens, parents, depths)`` of the choice ``paths`` for one round's ``guesses``."""
     slots, parents, depths = choice_layout(ranks, paths)
     return [guesses[i] for i in slots], parents, depths
+
+
+# The dynamic tree picks its nodes among this many times as many rank paths (the best-scored under the
+# held-out accuracies): enough that a round's own probabilities rarely want a path outside the pool.
+POOL_PER_NODE = 8
+
+
+@dataclass
+class GuessPool:
+    """The rank paths a dynamic guess tree picks from, as device tensors (built once, at load).
+
+    Attributes:
+        rank: `[K, C]` the rank each path takes at head ``k`` (0 past its end).
+        on: `[K, C]` 1.0 where the path reaches head ``k``.
+        slot: `[C]` where the path's last token sits in a round's `[K * ranks]` top tokens.
+        parent: `[C]` the path's prefix in the pool (-1: one head long).
+        depth: `[C]` the path's length.
+    """
+
+    rank: torch.Tensor
+    on: torch.Tensor
+    slot: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+
+    @classmethod
+    def build(cls, paths: list[tuple[int, ...]], heads: int, ranks: int, device: torch.device) -> GuessPool:
+        """``paths`` prefix-closed and in order (a prefix before its extensions)."""
+        slots, parents, depths = choice_layout(ranks, paths)
+        rank = torch.zeros(heads, len(paths), dtype=torch.long)
+        on = torch.zeros(heads, len(paths))
+        for c, path in enumerate(paths):
+            rank[: len(path), c] = torch.tensor(path)
+            on[: len(path), c] = 1.0
+        return cls(*(t.to(device) for t in (rank, on, torch.tensor(slots), torch.tensor(parents),
+                                             torch.tensor(depths))))  # fmt: skip
+
+
+# A path's score loses this much per token besides its log-probabilities, so a path always scores
+# strictly below its prefix (even where a head's probability rounds to 1) and the top scores are closed
+# under prefixes; small against any log-probability that matters.
+_DEPTH_TIEBREAK = 1e-4
+
+
+def pick_guess_tree(logits: torch.Tensor, top: torch.Tensor, pool: GuessPool, nodes: int) -> torch.Tensor:
+    """This round's guess tree: the ``nodes`` pool paths of highest probability under the heads' own
+    distributions (heads taken as independent), as `[3 * nodes]` int64 ``tokens, parents, depths``
+    (parents index the returned nodes; -1: below the next token). Device ops only.
+
+    A path's log-probability is the sum of its tokens' log-softmax over each head's whole vocabulary;
+    as it only falls along a path, the best ``nodes`` scores include every prefix of each path they
+    hold, and sorted by pool index (prefixes come first there) they are a tree in topological order.
+
+    Args:
+        logits: `[K, V]` the heads' logits.
+        top: `[K, ranks]` their top tokens, best first (``logits.topk``'s indices).
+        pool: the candidate paths.
+        nodes: the tree's size (at most the pool's).
+    """
+    k = logits.shape[0]
+    vals = logits.gather(1, top).float()  # [K, R]
+    logp = vals - logits.float().logsumexp(-1, keepdim=True)
+    score = (logp.gather(1, pool.rank) * pool.on).sum(0) - _DEPTH_TIEBREAK * pool.depth  # [C]
+    pick = score.topk(nodes).indices.sort().values  # [N], prefixes first
+    at = torch.full_like(pool.parent, -1).index_copy(0, pick, torch.arange(nodes, device=pick.device))
+    parent = pool.parent.index_select(0, pick)
+    parents = torch.where(parent >= 0, at.index_select(0, parent.clamp_min(0)), parent)
+    tokens = top.reshape(k * top.shape[1]).index_select(0, pool.slot.index_select(0, pick))
+    return torch.cat([tokens, parents, pool.depth.index_select(0, pick)])
 
 
 class HiddenTap(torch.nn.Module):
@@ -302,14 +374,18 @@ class TargetHeads:
     Args:
         model: the target (its output layer is wrapped in a :class:`HiddenTap`).
         path: the heads directory.
-        nodes: tree nodes the guesses take (the ``nodes`` best rank paths).
+        nodes: tree nodes the guesses take.
         max_rows: most logits rows a verification computes (the tap's capacity).
+        tree: ``"dynamic"`` (each round's most probable rank paths, :func:`pick_guess_tree`) or
+            ``"static"`` (the ``nodes`` best rank paths under the held-out accuracies, every round).
 
     Raises:
-        ConfigError: the heads do not fit this target.
+        ConfigError: the heads do not fit this target, or ``tree`` is neither.
     """
 
-    def __init__(self, model: Any, path: str | Path, nodes: int, max_rows: int):
+    def __init__(self, model: Any, path: str | Path, nodes: int, max_rows: int, tree: str = "dynamic"):
+        if tree not in GUESS_TREES:
+            raise ConfigError(f"draft heads' tree must be one of {GUESS_TREES}, got {tree!r}")
         out = model.get_output_embeddings()
         w = out.weight
         heads, info = load_heads(path, w.device, w.dtype)
@@ -323,27 +399,41 @@ class TargetHeads:
         self.heads, self.info = heads, info
         self.dtype = w.dtype
         self.ranks = len(info.rank_accuracy[0])
-        self.paths = choice_paths(info.rank_accuracy, nodes)
+        self.tree = tree
+        self.paths = choice_paths(info.rank_accuracy, nodes * (POOL_PER_NODE if tree == "dynamic" else 1))
+        self.num_nodes = min(nodes, len(self.paths))
         self._slots, self._parents, self._depths = choice_layout(self.ranks, self.paths)
+        self.pool = (
+            GuessPool.build(self.paths, info.num_heads, self.ranks, w.device) if tree == "dynamic" else None
+        )
         self.embed = model.get_input_embeddings() if info.token_input else None
         self.tap = install_tap(model, max_rows)
         logger.info(
-            "draft heads: %d%s heads from %s, %d guess nodes a round",
+            "draft heads: %d%s heads from %s, a %s tree of %d guess nodes a round",
             info.num_heads,
             " token-conditioned" if info.token_input else "",
             path,
-            len(self.paths),
+            tree,
+            self.num_nodes,
         )
 
     def guesses(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """`[K * ranks]` int64 guesses from the hidden state of logits row ``row`` (`[1]` int64, on
-        the device) of the last forward, which decided ``token`` (`[1]` int64, on the device);
-        device ops only."""
+        """The round's guesses, int64 on the device, from the hidden state of logits row ``row``
+        (`[1]` int64, on the device) of the last forward, which decided ``token`` (`[1]` int64, on
+        the device): the tree itself (`[3 * nodes]`, :func:`pick_guess_tree`) for a dynamic tree,
+        the heads' top tokens (`[K * ranks]`) for a static one; device ops only."""
         h = self.tap.rows.index_select(0, row)  # [1, H]
         e = None if self.embed is None else self.embed(token.view(1))  # [1, H]
-        return head_guesses(self.heads, self.tap.inner, h, self.ranks, self.dtype, e)
+        logits = head_row_logits(self.heads, self.tap.inner, h, self.dtype, e)  # [K, V]
+        top = logits.topk(self.ranks, dim=-1).indices  # [K, R], best first
+        if self.pool is None:
+            return top.reshape(-1)
+        return pick_guess_tree(logits, top, self.pool, self.num_nodes)
 
     def nodes(self, guesses: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """The guess tree's ``(tokens, parents, depths)`` for one round's host guesses (the shape is
-        the same every round: only the tokens are picked)."""
+        """The guess tree's ``(tokens, parents, depths)`` from one round's guesses read to the host
+        (a static tree has the same shape every round: only its tokens are picked)."""
+        if self.pool is not None:
+            n = self.num_nodes
+            return guesses[:n], guesses[n : 2 * n], guesses[2 * n : 3 * n]
         return [guesses[i] for i in self._slots], self._parents, self._depths
