@@ -11,6 +11,11 @@ acceptance does not depend on the device (a CPU in float32 takes minutes for a f
 
     python benchmarks/heads_trees.py --heads .models/heads-qwen1.5b --chats chats.jsonl.gz \
         [--max-chats 30] [--nodes 16,32,64] [--tag cpu-medusa-8k]
+    python benchmarks/heads_trees.py --heads .models/heads-qwen1.5b --bench-prompts 4 --tag ...
+
+``--bench-prompts N`` takes, instead of chats, the target's greedy answers (128 tokens) to ``N``
+prompts a category of the bench's prompt set (text the heads were not trained on), and keeps them
+(``--save-chats FILE``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,24 @@ def _chats(path: str) -> list:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return [Chat(**json.loads(line)) for line in f if line.strip()]
+
+
+def bench_chats(model, target: str, per_category: int, new_tokens: int = 128) -> list:
+    """The target's greedy answers to ``per_category`` bench prompts a category, as chats."""
+    from specsplit.bench.run import DEFAULT_PROMPTS, load_prompts
+    from specsplit.models import load_tokenizer
+    from specsplit.runtime.heads_training import Chat, _eos_ids, generate_batched
+
+    tok = load_tokenizer(target)
+    ids = [
+        tok(tok.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False).input_ids
+        for p in load_prompts(DEFAULT_PROMPTS, per_category)
+    ]  # fmt: skip
+    eos = _eos_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    answers = generate_batched(model, ids, new_tokens, eos, pad, sample=False, batch=8, seed=0)
+    return [Chat(list(i) + a, len(i)) for i, a in zip(ids, answers, strict=True)]
 
 
 def rank_rows(model, heads, chats, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--heads", required=True, help="a heads directory (`specsplit heads train`)")
-    p.add_argument("--chats", required=True, help="the chats (.jsonl or .jsonl.gz) the heads trained on")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--chats", help="the chats (.jsonl or .jsonl.gz) the heads trained on")
+    src.add_argument(
+        "--bench-prompts", type=int, metavar="N", help="the target's answers to N bench prompts a category"
+    )
+    p.add_argument("--save-chats", default=None, help="with --bench-prompts: also write those chats here")
     p.add_argument(
         "--holdout", type=float, default=0.05, help="the training run's held-out share (its seed 0)"
     )
@@ -110,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(a.target, dtype=a.dtype, device=a.device)
     model.requires_grad_(False)
     heads, info = load_heads(a.heads, a.device, model.get_output_embeddings().weight.dtype)
-    chats = _chats(a.chats)
-    random.Random(0).shuffle(chats)  # the split train_heads makes
-    held = chats[: max(1, int(len(chats) * a.holdout))][: a.max_chats]
+    if a.chats:
+        chats = _chats(a.chats)
+        random.Random(0).shuffle(chats)  # the split train_heads makes
+        held = chats[: max(1, int(len(chats) * a.holdout))][: a.max_chats]
+    else:
+        held = bench_chats(model, a.target, a.bench_prompts)
+        if a.save_chats:
+            Path(a.save_chats).write_text("".join(json.dumps(vars(c)) + "\n" for c in held))
     t0 = time.perf_counter()
     logp, rank = rank_rows(model, heads, held, len(info.rank_accuracy[0]))
     k, ranks = heads.num_heads, logp.shape[-1] - 1
@@ -133,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         result[str(n)] = {"static": stat / len(rows), "dynamic": dyn / len(rows)}
         print(f"{n} nodes: static {stat / len(rows):.3f}, dynamic {dyn / len(rows):.3f} guesses a round")
     lines = [
-        f"# Guess trees of draft heads: static against dynamic ({a.heads}, {len(held)} held-out chats, "
+        f"# Guess trees of draft heads: static against dynamic ({a.heads}, {len(held)} {'held-out chats' if a.chats else 'answers to bench prompts'}, "
         f"{len(rows)} rows)",
         "",
-        f"- command: `python benchmarks/heads_trees.py --heads {a.heads} --chats {a.chats} --max-chats "
-        f"{a.max_chats} --nodes {a.nodes} --dtype {a.dtype} --device {a.device}"
+        f"- command: `python benchmarks/heads_trees.py --heads {a.heads} "
+        + (
+            f"--chats {a.chats} --holdout {a.holdout} --max-chats {a.max_chats}"
+            if a.chats
+            else f"--bench-prompts {a.bench_prompts}"
+        )
+        + f" --nodes {a.nodes} --dtype {a.dtype} --device {a.device}"
         + (f" --tag {a.tag}" if a.tag else "")
         + "`",
         f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; {time.perf_counter() - t0:.0f} s",
