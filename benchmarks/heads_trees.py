@@ -13,6 +13,10 @@ acceptance does not depend on the device (a CPU in float32 takes minutes for a f
         [--max-chats 30] [--nodes 16,32,64] [--tag cpu-medusa-8k]
     python benchmarks/heads_trees.py --heads .models/heads-qwen1.5b --bench-prompts 4 --tag ...
 
+``--eagle DIR`` also grows an EAGLE head's tree (``specsplit heads train --kind eagle``) at the same
+positions (the next token of each row whose four following tokens are answer tokens) with the inference
+code, and counts what it accepts (its trees may go deeper than the Medusa heads' four).
+
 ``--bench-prompts N`` takes, instead of chats, the target's greedy answers (128 tokens) to ``N``
 prompts a category of the bench's prompt set (text the heads were not trained on), and keeps them
 (``--save-chats FILE``).
@@ -87,6 +91,20 @@ def rank_rows(model, heads, chats, ranks: int) -> tuple[torch.Tensor, torch.Tens
     return logp, rank
 
 
+def eagle_accepted(model, path: str, chats: list, heads: int, nodes: list[int]) -> dict[int, float]:
+    """An EAGLE head's accepted guesses a round at the positions :func:`rank_rows` scores: the next
+    token of every row whose ``heads`` following tokens are answer tokens."""
+    from specsplit.runtime.eagle import load_eagle
+    from specsplit.runtime.eagle_training import accepted_at
+    from specsplit.runtime.heads import read_info
+
+    w = model.get_output_embeddings().weight
+    layer, vocab = load_eagle(path, read_info(path), w.device, w.dtype)
+    spots = {i: list(range(c.answer_start, len(c.ids) - heads)) for i, c in enumerate(chats)}
+    spots = {i: s for i, s in spots.items() if s}
+    return accepted_at(model, layer, vocab.to(w.device), chats, spots, nodes)
+
+
 def accepted(tokens: list[int], parents: list[int], truth: list[int]) -> int:
     """Guesses a tree accepts: the longest root path whose node at depth ``d`` is ``truth[d]``
     (tokens here are ranks)."""
@@ -110,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--heads", required=True, help="a heads directory (`specsplit heads train`)")
+    p.add_argument("--eagle", default=None, help="an EAGLE head directory, measured at the same positions")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--chats", help="the chats (.jsonl or .jsonl.gz) the heads trained on")
     src.add_argument(
@@ -165,11 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         stat = sum(accepted(static_tokens, parents, truth) for truth in rows)
         result[str(n)] = {"static": stat / len(rows), "dynamic": dyn / len(rows)}
         print(f"{n} nodes: static {stat / len(rows):.3f}, dynamic {dyn / len(rows):.3f} guesses a round")
+    if a.eagle:
+        for n, v in eagle_accepted(model, a.eagle, held, k, [int(x) for x in a.nodes.split(",")]).items():
+            result[str(n)]["eagle"] = v
+            print(f"{n} nodes: EAGLE {v:.3f} guesses a round")
     lines = [
         f"# Guess trees of draft heads: static against dynamic ({a.heads}, {len(held)} {'held-out chats' if a.chats else 'answers to bench prompts'}, "
         f"{len(rows)} rows)",
         "",
         f"- command: `python benchmarks/heads_trees.py --heads {a.heads} "
+        + (f"--eagle {a.eagle} " if a.eagle else "")
         + (
             f"--chats {a.chats} --holdout {a.holdout} --max-chats {a.max_chats}"
             if a.chats
@@ -180,11 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         + "`",
         f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; {time.perf_counter() - t0:.0f} s",
         "",
-        "| tree nodes | static: guesses accepted a round | dynamic | dynamic / static |",
-        "|---:|---:|---:|---:|",
+        "| tree nodes | static: guesses accepted a round | dynamic | dynamic / static |"
+        + (f" EAGLE ({a.eagle}) | EAGLE / dynamic |" if a.eagle else ""),
+        "|---:|---:|---:|---:|" + ("---:|---:|" if a.eagle else ""),
     ]
     lines += [
         f"| {n} | {r['static']:.3f} | {r['dynamic']:.3f} | {r['dynamic'] / r['static']:.3f} |"
+        + (f" {r['eagle']:.3f} | {r['eagle'] / r['dynamic']:.3f} |" if "eagle" in r else "")
         for n, r in result.items()
     ]
     stem = "heads_trees" + (f"-{a.tag}" if a.tag else "")

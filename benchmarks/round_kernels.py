@@ -19,7 +19,9 @@ work overlaps); ``--trace`` keeps each profile's Chrome trace beside the report.
 ``--heads N`` gives the target random token-conditioned draft heads (4 heads, 10 ranks, N guess nodes;
 :mod:`specsplit.runtime.heads`): the trees stay the script's own, and each round also runs the heads'
 work (the hidden-state copy, the blocks, the output-layer product, the top-k); compare its kernels
-with the same run without it.
+with the same run without it. ``--heads-kind eagle`` gives it a random EAGLE head instead
+(:mod:`specsplit.runtime.eagle`, the training defaults' shapes): each round then also ingests the
+committed positions and grows the head's tree, level by level, inside the round.
 """
 
 from __future__ import annotations
@@ -75,6 +77,22 @@ def _random_heads(model: Any) -> str:
     acc = [[0.5 / (r + 1) / (k + 1) for r in range(10)] for k in range(4)]
     info = HeadsInfo(4, w.shape[1], w.shape[0], rank_accuracy=acc, token_input=True)
     return str(save_heads(heads, info, Path(tempfile.mkdtemp(prefix="specsplit-heads-"))))
+
+
+def _random_eagle(model: Any) -> str:
+    """A directory of a random EAGLE head of ``model``'s shapes (the training defaults: a
+    32,768-token subset, top-8 children, 8 wide, 5 deep)."""
+    import tempfile
+
+    from specsplit.runtime.eagle import EagleConfig, EagleLayer, save_eagle
+    from specsplit.runtime.heads import HeadsInfo
+
+    w = model.get_output_embeddings().weight
+    cfg = EagleConfig.for_target(model)
+    layer = EagleLayer(cfg).to(w.device, w.dtype)
+    vocab = torch.randperm(w.shape[0])[: cfg.vocab_subset].sort().values
+    info = HeadsInfo(cfg.depth, w.shape[1], w.shape[0])
+    return str(save_eagle(layer, vocab, info, Path(tempfile.mkdtemp(prefix="specsplit-eagle-"))))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -152,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         "--strided", action="store_true", help="no timing; the operators that get operands with gaps"
     )
     p.add_argument("--heads", type=int, default=0, help="random draft heads with N guess nodes (0: none)")
+    p.add_argument("--heads-kind", choices=("medusa", "eagle"), default="medusa",
+                   help="--heads: Medusa-style heads or an EAGLE head growing its tree in the round")  # fmt: skip
     p.add_argument("--trace", action="store_true", help="also write each size's Chrome trace (.trace.json)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
@@ -166,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with dev:
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16).eval()
-    heads = _random_heads(model) if a.heads else None
-    cfg = TargetConfig(cuda_graphs=dev.type == "cuda", compile=a.compile, fuse_projections=True,
+    heads = None if not a.heads else _random_eagle(model) if a.heads_kind == "eagle" else _random_heads(model)
+    # An EAGLE head follows the static workspace's session: on a CPU that path runs without capture.
+    static = dev.type == "cuda" or (bool(a.heads) and a.heads_kind == "eagle")
+    cfg = TargetConfig(cuda_graphs=static, compile=a.compile, fuse_projections=True,
                        draft_heads=heads, draft_heads_nodes=a.heads or 16)  # fmt: skip
     eng = TargetEngine(model, cfg)
     if a.eager_ops or a.strided:
@@ -253,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         + (" --compile" if a.compile else "")
         + (" --eager-ops" if a.eager_ops else "")
         + (f" --heads {a.heads}" if a.heads else "")
+        + (f" --heads-kind {a.heads_kind}" if a.heads and a.heads_kind != "medusa" else "")
         + (f" --tag {a.tag}" if a.tag else "")
         + "`",
         f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",

@@ -119,6 +119,22 @@ def assert_same_sampling(target: Any, draft: Any, ids: torch.Tensor, configs: li
         assert outs[0].spec_stats.accepted_counts() == out.spec_stats.accepted_counts()
 
 
+def assert_heads_sample_as_target_only(model: Any, config: Any, ids: torch.Tensor) -> None:
+    """A target with draft heads (``config``) samples the target-only tokens for the same seed, not
+    for another, and its heads guessed in some rounds: its guesses are verified like any tree's."""
+    import copy
+
+    from specsplit import SpecSplitGenerator
+
+    kw = dict(max_new_tokens=32, do_sample=True, temperature=0.8, top_p=0.95, return_dict_in_generate=True)
+    with SpecSplitGenerator(model, None) as plain:
+        ref = plain.generate(ids, generator=torch.Generator().manual_seed(5), **kw).sequences
+    with SpecSplitGenerator(copy.deepcopy(model), None, config=config) as gen:
+        outs = [gen.generate(ids, generator=torch.Generator().manual_seed(s), **kw) for s in (5, 6)]
+    assert torch.equal(outs[0].sequences, ref) and not torch.equal(outs[1].sequences, ref)
+    assert outs[0].spec_stats.rounds_by_drafter().get("heads", 0) > 0
+
+
 def rewrite_in_place(
     build: Any, rewrite: Any, ids: torch.Tensor
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:

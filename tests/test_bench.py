@@ -449,7 +449,9 @@ def test_compiled_decoders_are_optional_and_configured(capsys: pytest.CaptureFix
     decs, skipped = build_decoders(m, ["specsplit-dynamic", *OPTIONAL_DECODERS], opts)
     try:
         plain_prefill = {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"}  # need --cuda-graphs
-        heads = {n for n in OPTIONAL_DECODERS if n.startswith("specsplit-heads")}  # need --draft-heads
+        heads = {  # need --draft-heads / --eagle-heads
+            n for n in OPTIONAL_DECODERS if n.startswith(("specsplit-heads", "specsplit-eagle"))
+        }
         built = [n for n in OPTIONAL_DECODERS if n not in plain_prefill | heads]
         assert [d.name for d in decs] == ["specsplit-dynamic", *built] and set(
             skipped
@@ -687,6 +689,7 @@ _OPTIONAL_NAMES = (
     "specsplit-hybrid", "specsplit-hybrid-compiled", "specsplit-auto", "specsplit-auto-compiled",
     "specsplit-lookahead", "specsplit-lookahead-compiled", "specsplit-lookahead-always-compiled",
     "specsplit-heads", "specsplit-heads-always-compiled", "specsplit-heads-lookahead-always-compiled",
+    "specsplit-eagle-always", "specsplit-eagle-always-compiled", "specsplit-eagle-lookahead-always-compiled",
     "specsplit-auto-lookahead-compiled", "specsplit-auto-chain", "specsplit-auto-chain-compiled",
     "specsplit-auto-chain-lookahead-compiled", "specsplit-auto-chain-lookahead-always-compiled",
     "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
@@ -704,7 +707,7 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert spec.name == name
         assert spec.drafter == next(
             (d for d in ("ngram", "suffix", "hybrid", "auto") if f"-{d}" in name),
-            "ngram" if "-lookahead" in name or "-heads" in name else "model",
+            "ngram" if "-lookahead" in name or "-heads" in name or "-eagle" in name else "model",
         )
         assert (spec.kind == "hf") == name.startswith("hf-")
         if spec.kind == "hf":
@@ -730,7 +733,8 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("lookahead window" in label) == bool(spec.lookahead) == ("-lookahead" in name), name
         always = "always" in (spec.lookahead, spec.heads)
         assert ("in every n-gram round" in label) == always == ("-always" in name), name
-        assert ("draft heads" in label) == bool(spec.heads) == ("-heads" in name), name
+        assert ("draft heads" in label) == (bool(spec.heads) and not spec.eagle) == ("-heads" in name), name
+        assert ("EAGLE head" in label) == spec.eagle == ("-eagle" in name), name
         model_tree = (
             "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
         )  # drafters: the dynamic tree
@@ -748,7 +752,7 @@ def test_spec_fields_drive_the_built_config() -> None:
     local = [n for n, s in DECODERS.items() if s.kind == "specsplit" and not s.grpc]
     decs, skipped = build_decoders(m, local, BuildOptions(k=3))
     try:
-        heads = {n for n in local if n.startswith("specsplit-heads")}  # need --draft-heads
+        heads = {n for n in local if n.startswith(("specsplit-heads", "specsplit-eagle"))}  # need heads
         assert set(skipped) == {"specsplit-target-only-prefill", "specsplit-dynamic-prefill"} | heads
         for d in decs:
             spec, cfg = DECODERS[d.name], d.config
@@ -1011,6 +1015,43 @@ def test_heads_decoders_run_the_targets_draft_heads_on_a_copy(tmp_path) -> None:
         ref, got = decs[0].run(ids, 24), decs[1].run(ids, 24)
         assert got.tokens == ref.tokens
         assert not isinstance(m.specsplit_target.get_output_embeddings(), HiddenTap)
+    finally:
+        for d in decs:
+            d.close()
+
+
+def test_eagle_decoders_run_an_eagle_head_on_their_own_copy(tmp_path) -> None:
+    """``--eagle-heads``: the -eagle decoders' target runs the EAGLE head on its own copy of the model
+    (beside the -heads decoders' copy), its guesses land in the rounds, and the tokens are
+    target-only's; without the flag they are skipped."""
+    import torch
+
+    from specsplit.bench.decoders import build_decoders, load_models
+    from specsplit.runtime.eagle import EagleConfig, EagleLayer, FeatureTap, save_eagle
+    from specsplit.runtime.heads import HeadsInfo
+
+    m = load_models(tiny=True, device="cpu")
+    model = m.specsplit_target
+    w = model.get_output_embeddings().weight
+    layer = EagleLayer(EagleConfig.for_target(model, topk=4, width=2, depth=3))
+    layer.warm_start(model)
+    path = save_eagle(layer, torch.arange(w.shape[0]), HeadsInfo(3, w.shape[1], w.shape[0]), tmp_path)
+    names = ["specsplit-target-only", "specsplit-eagle-always-compiled"]
+    assert build_decoders(m, names, BuildOptions())[1] == {
+        "specsplit-eagle-always-compiled": "no EAGLE head (--eagle-heads DIR, trained with `specsplit heads "
+        "train --kind eagle`)"
+    }
+    decs, skipped = build_decoders(m, ["specsplit-target-only", "specsplit-eagle-always-compiled"],
+                                   BuildOptions(eagle_heads=str(path), heads_nodes=6))  # fmt: skip
+    try:
+        assert not skipped and decs[1].config.target.draft_heads == str(path)
+        assert "EAGLE head's tree (6 nodes)" in decs[1].label
+        ids = torch.tensor([[5, 17, 33, 81, 9, 100, 5, 17]])
+        ref, got = decs[0].run(ids, 24), decs[1].run(ids, 24)
+        assert got.tokens == ref.tokens
+        assert isinstance(m.heads_target(eagle=True).get_decoder().norm, FeatureTap)
+        assert not isinstance(model.get_decoder().norm, FeatureTap)
+        assert m.heads_target(eagle=True) is not m.heads_target()
     finally:
         for d in decs:
             d.close()

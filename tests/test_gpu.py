@@ -842,10 +842,12 @@ def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
 @pytest.mark.parametrize("window", [0, 4], ids=["heads", "heads-lookahead"])
-def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, window, outcome_reads):
-    """A target with draft heads on one-graph rounds (plain and compiled; beside a lookahead window
-    or not): HF greedy's tokens, the heads' guesses in the rounds, and still one device read a
-    steady-state round (the guesses ride on the outcome's copy)."""
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, window, kind, outcome_reads):
+    """A target with draft heads (Medusa's, or an EAGLE head growing its tree inside the round) on
+    one-graph rounds (plain and compiled; beside a lookahead window or not): HF greedy's tokens, the
+    heads' guesses in the rounds, and still one device read a steady-state round (the guesses ride
+    on the outcome's copy)."""
     import copy
 
     from specsplit.config import NgramConfig
@@ -854,13 +856,21 @@ def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, windo
 
     torch.manual_seed(0)
     w = llama_target.get_output_embeddings().weight
-    heads = DraftHeads(3, w.shape[1], token_input=True)  # the token gathered in the graph
-    with torch.no_grad():
-        heads.weight.normal_(0, 0.05)
-        heads.token_weight.normal_(0, 0.05)
-    acc = [[0.5 / (r + 1) / (k + 1) for r in range(4)] for k in range(3)]
-    info = HeadsInfo(3, w.shape[1], w.shape[0], rank_accuracy=acc, token_input=True)
-    path = save_heads(heads, info, tmp_path / "heads")
+    if kind == "eagle":
+        from specsplit.runtime.eagle import EagleConfig, EagleLayer, save_eagle
+
+        layer = EagleLayer(EagleConfig.for_target(llama_target, topk=4, width=3, depth=4))
+        layer.warm_start(llama_target)
+        info = HeadsInfo(4, w.shape[1], w.shape[0])
+        path = save_eagle(layer, torch.arange(0, w.shape[0], 2), info, tmp_path / "eagle")
+    else:
+        heads = DraftHeads(3, w.shape[1], token_input=True)  # the token gathered in the graph
+        with torch.no_grad():
+            heads.weight.normal_(0, 0.05)
+            heads.token_weight.normal_(0, 0.05)
+        acc = [[0.5 / (r + 1) / (k + 1) for r in range(4)] for k in range(3)]
+        info = HeadsInfo(3, w.shape[1], w.shape[0], rank_accuracy=acc, token_input=True)
+        path = save_heads(heads, info, tmp_path / "heads")
     _, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
     ngram = NgramConfig(lookahead=window, lookahead_policy="always")

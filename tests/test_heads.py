@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from conftest import EOS, tiny_llama, tiny_qwen2
+from conftest import EOS, assert_heads_sample_as_target_only, tiny_llama, tiny_qwen2
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator
 from specsplit.config import EngineTuning, NgramConfig, PipelineTuning, TargetConfig
@@ -263,14 +263,7 @@ def test_generation_with_heads_equals_hf_greedy(llama_target, qwen_target, tmp_p
 
 def test_heads_sampling_gives_target_only_tokens_for_the_same_seed(llama_target, tmp_path):
     heads_dir = _random_heads(llama_target, tmp_path, seed=2)
-    ids = torch.tensor([PROMPT])
-    kw = dict(max_new_tokens=32, do_sample=True, temperature=0.8, top_p=0.95, return_dict_in_generate=True)
-    with SpecSplitGenerator(llama_target, None) as plain:
-        ref = plain.generate(ids, generator=torch.Generator().manual_seed(5), **kw).sequences
-    with SpecSplitGenerator(copy.deepcopy(llama_target), None, config=_config(heads_dir)) as gen:
-        outs = [gen.generate(ids, generator=torch.Generator().manual_seed(s), **kw) for s in (5, 6)]
-    assert torch.equal(outs[0].sequences, ref) and not torch.equal(outs[1].sequences, ref)
-    assert outs[0].spec_stats.rounds_by_drafter().get("heads", 0) > 0
+    assert_heads_sample_as_target_only(llama_target, _config(heads_dir), torch.tensor([PROMPT]))
 
 
 def test_heads_that_do_not_fit_the_target_are_refused(llama_target, tmp_path):

@@ -86,6 +86,31 @@ def test_lookahead_tree_puts_the_window_after_the_proposal_and_pads():
     tree.validate(1000, 8, 8)
 
 
+def test_guesses_merge_into_the_ngram_nodes_as_a_trie():
+    """A guess path that starts like an n-gram path continues below the shared node (the target
+    follows one child per token, so a guess below a duplicate could never be accepted), the nodes it
+    saves go to more n-gram candidates, and the window still comes last."""
+    from specsplit.engines.drafters import merge_guesses
+    from specsplit.messages import HeadGuesses
+
+    proposal = Proposal([9, 8, 7, 6], [-1, 0, -1, 2], [1, 2, 1, 2], [0.9, 0.5, 0.4, 0.3])
+    guesses = HeadGuesses([9, 5, 4, 3], [-1, 0, 1, -1], [1, 2, 3, 1])  # 9 -> 5 -> 4, and 3
+    tokens, parents, depths = merge_guesses(proposal.top(2), *vars(guesses).values())
+    assert (tokens, parents, depths) == ([9, 8, 5, 4, 3], [-1, 0, 0, 2, -1], [1, 2, 2, 3, 1])
+    w = LookaheadWindow(width=2, levels=1, pool_size=2, seed_tokens=[1, 2])
+    tree, offset = lookahead_tree(proposal, w, size=9, depth_bound=4, fixed_bounds=True, guesses=guesses)
+    # 9 - 2 window nodes - 4 guesses = 3 n-gram nodes, +1 for the shared 9: all 4 n-gram nodes fit
+    assert offset == 7
+    assert tree.token_ids.tolist() == [9, 8, 7, 6, 5, 4, 3, 1, 2]
+    assert tree.parents.tolist() == [-1, 0, -1, 2, 0, 4, -1, -1, 7]
+    assert tree.depths.tolist() == [1, 2, 1, 2, 2, 3, 1, 1, 2]
+    tree.validate(1000, 9, 9)
+    tree, offset = lookahead_tree(proposal, None, size=6, depth_bound=4, fixed_bounds=False, guesses=guesses)
+    assert offset == -1 and tree.num_nodes == 6 and tree.token_ids.tolist() == [9, 8, 7, 5, 4, 3]
+    assert tree.bounds() == (3, 3)  # three roots (9, 7, 3) below the next token; depth 3
+    tree.validate(1000, 6, 6)
+
+
 # ---------------------------------------------------------------------- the target's choices
 def test_verify_returns_the_targets_argmax_after_every_row(llama_target):
     """``return_choices``: row 0 (after the pending token) and every node, equal to HF's argmax over

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import pytest
 from conftest import load_benchmark
 
 
@@ -31,8 +32,10 @@ def test_strided_lists_the_operators_that_read_gapped_rows(capsys):
     assert "silu  (fused.py" not in plain and "silu  (fused.py" in tree
 
 
-def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys, monkeypatch):
-    """``--heads N``: the target verifies with random draft heads, and every round runs them."""
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys, monkeypatch, kind):
+    """``--heads N``: the target verifies with random draft heads (``--heads-kind``: Medusa's or an
+    EAGLE head), and every round runs them."""
     from specsplit.engines.target import TargetEngine
 
     ran: list[bool] = []
@@ -45,6 +48,7 @@ def test_round_kernels_runs_rounds_with_draft_heads_on_cpu(capsys, monkeypatch):
 
     monkeypatch.setattr(TargetEngine, "verify", spy)
     args = ["--device", "cpu", "--sizes", "16", "--rounds", "2", "--context", "16", "--heads", "8"]
+    args += ["--heads-kind", kind]
     assert _script().main(args) == 0
     assert "16:" in capsys.readouterr().out
     assert ran and all(ran)

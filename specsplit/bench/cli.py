@@ -160,6 +160,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="draft heads of the target for the -heads decoders (`specsplit heads train`); without it "
         "they are skipped",
     )
+    p.add_argument(
+        "--eagle-heads",
+        default=None,
+        metavar="DIR",
+        help="an EAGLE head of the target for the -eagle decoders (`specsplit heads train --kind eagle`); "
+        "without it they are skipped",
+    )
     p.add_argument("--heads-nodes", type=int, default=32, help="tree nodes the heads' guesses take a round")
     p.add_argument(
         "--heads-tree",
@@ -293,8 +300,11 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
     if _lookahead(args.lookahead) != (DEFAULT_LOOKAHEAD, DEFAULT_LOOKAHEAD_LEVELS, DEFAULT_LOOKAHEAD_NODES):
         parts += ["--lookahead", args.lookahead]
     if args.draft_heads:
-        parts += ["--draft-heads", args.draft_heads, "--heads-nodes", str(args.heads_nodes)]
-        parts += ["--heads-tree", args.heads_tree]
+        parts += ["--draft-heads", args.draft_heads, "--heads-tree", args.heads_tree]
+    if args.eagle_heads:
+        parts += ["--eagle-heads", args.eagle_heads]
+    if args.draft_heads or args.eagle_heads:
+        parts += ["--heads-nodes", str(args.heads_nodes)]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -361,6 +371,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         draft_heads=args.draft_heads,
         heads_nodes=args.heads_nodes,
         heads_tree=args.heads_tree,
+        eagle_heads=args.eagle_heads,
     )
 
 

@@ -87,6 +87,7 @@ class DecoderSpec:
             ``--lookahead`` width) under its ``"adaptive"`` or ``"always"`` policy; ``""``: none.
         heads: the target runs the run's ``--draft-heads`` and n-gram rounds carry their guesses
             (fixed rounds) under the ``"adaptive"`` or ``"always"`` policy; ``""``: no heads.
+        eagle: those heads are the run's ``--eagle-heads`` (an EAGLE head) instead.
     """
 
     name: str
@@ -109,6 +110,7 @@ class DecoderSpec:
     draft_vocab: bool = False
     lookahead: str = ""
     heads: str = ""
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         for field_name, allowed in _CHOICES.items():
@@ -116,6 +118,8 @@ class DecoderSpec:
                 raise ValueError(
                     f"decoder {self.name}: {field_name}={getattr(self, field_name)!r} is not one of {allowed}"
                 )
+        if self.eagle and not self.heads:
+            raise ValueError(f"decoder {self.name}: eagle names which heads run, so it needs heads")
         if (self.kind == "hf") != (self.hf_mode is not None):
             raise ValueError(f"decoder {self.name}: hf_mode is set for kind='hf' decoders, and only for them")
 
@@ -154,6 +158,7 @@ _AUTO = "SpecSplit local, the cost model's choice each round (none, n-gram, {tre
 _LOOKAHEAD = "n-gram rounds with a lookahead window of {lookahead}"
 _ALWAYS = "in every n-gram round"
 _HEADS = "the target's draft heads' guesses ({heads})"
+_EAGLE = "the target's EAGLE head's tree ({eagle})"
 _FRSPEC = "draft output layer over the {vocab} best-ranked tokens (FR-Spec)"
 
 # In run order: results list decoders in this order. The default set first, then the optional ones:
@@ -241,6 +246,15 @@ _TABLE = (
     DecoderSpec("specsplit-heads-lookahead-always-compiled",
                 f"{_NGRAM}, {_HEADS} and a lookahead window of {{lookahead}} {_ALWAYS}, {_COMPILED}",
                 drafter="ngram", heads="always", lookahead="always", compile=True),
+    # An EAGLE head (`--eagle-heads`, `specsplit heads train --kind eagle`): the tree it grows inside
+    # each round, beside the n-gram nodes, without and with the lookahead window.
+    DecoderSpec("specsplit-eagle-always", f"{_NGRAM}, {_EAGLE} {_ALWAYS}", drafter="ngram", heads="always",
+                eagle=True),
+    DecoderSpec("specsplit-eagle-always-compiled", f"{_NGRAM}, {_EAGLE} {_ALWAYS}, {_COMPILED}",
+                drafter="ngram", heads="always", eagle=True, compile=True),
+    DecoderSpec("specsplit-eagle-lookahead-always-compiled",
+                f"{_NGRAM}, {_EAGLE} and a lookahead window of {{lookahead}} {_ALWAYS}, {_COMPILED}",
+                drafter="ngram", heads="always", lookahead="always", eagle=True, compile=True),
     # auto with lookahead, the dynamic tree as the model's
     DecoderSpec("specsplit-auto-lookahead-compiled", f"{_AUTO}, {_LOOKAHEAD}, {_COMPILED}", tree="dynamic",
                 drafter="auto", lookahead="adaptive", compile=True),

@@ -232,6 +232,8 @@ class BuildOptions:
         draft_heads: the ``-heads`` decoders' draft heads directory (``None``: they are skipped).
         heads_nodes: tree nodes their guesses take a round (``TargetConfig.draft_heads_nodes``).
         heads_tree: their guess tree (``TargetConfig.draft_heads_tree``).
+        eagle_heads: the ``-eagle`` decoders' EAGLE head directory (``None``: they are skipped); its
+            tree takes ``heads_nodes`` nodes too.
     """
 
     k: int = 4
@@ -247,6 +249,7 @@ class BuildOptions:
     draft_heads: str | None = None
     heads_nodes: int = 32
     heads_tree: str = "dynamic"
+    eagle_heads: str | None = None
 
 
 @dataclass
@@ -326,7 +329,7 @@ def _label(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, plan: _Plan | 
     """The spec's label filled in, plus the words the run's flags add to a SpecSplit decoder."""
     tree = plan.tree if plan is not None else _trees(opts)[spec.tree]
     text = spec.label.format(k=opts.k, lookup=PROMPT_LOOKUP_TOKENS, vocab=opts.frspec_vocab,
-                             lookahead=_lookahead_words(opts), heads=f"{opts.heads_nodes} nodes, {opts.heads_tree} tree",
+                             lookahead=_lookahead_words(opts), heads=f"{opts.heads_nodes} nodes, {opts.heads_tree} tree", eagle=f"{opts.heads_nodes} nodes",
                              tree=_tree_words(tree), device=m.device,
                              draft_device=plan.draft_device if plan is not None else m.draft_device)  # fmt: skip
     if plan is None:
@@ -448,8 +451,9 @@ def _local_decoder(
     from specsplit.generator import SpecSplitGenerator
 
     target, heads, nodes = m.specsplit_target, None, 32
-    if spec.heads and opts is not None and opts.draft_heads:
-        target, heads, nodes = m.heads_target(), opts.draft_heads, opts.heads_nodes
+    path = None if opts is None else opts.eagle_heads if spec.eagle else opts.draft_heads
+    if spec.heads and opts is not None and path:
+        target, heads, nodes = m.heads_target(eagle=spec.eagle), path, opts.heads_nodes
 
     cfg = SpecSplitConfig(
         drafter=spec.drafter,
@@ -500,7 +504,9 @@ def build_decoder(m: BenchModels, spec: DecoderSpec, opts: BuildOptions, sync: b
     check_buildable(spec)
     if spec.needs_draft and m.draft is None:
         return "no draft model"
-    if spec.heads and not opts.draft_heads:
+    if spec.heads and spec.eagle and not opts.eagle_heads:
+        return "no EAGLE head (--eagle-heads DIR, trained with `specsplit heads train --kind eagle`)"
+    if spec.heads and not spec.eagle and not opts.draft_heads:
         return "no draft heads (--draft-heads DIR, trained with `specsplit heads train`)"
     if spec.kind == "hf":
         assert spec.hf_mode is not None

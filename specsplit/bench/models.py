@@ -35,6 +35,7 @@ class BenchModels:
     own_target: Any = None  # the SpecSplit decoders' copies (fused or packed), None: the originals
     own_draft: Any = None
     own_heads_target: Any = None  # the -heads decoders' copy of the target (heads_target)
+    own_eagle_target: Any = None  # the -eagle decoders' copy (heads_target(eagle=True))
 
     @property
     def specsplit_target(self) -> Any:
@@ -46,20 +47,29 @@ class BenchModels:
         """The draft the SpecSplit decoders run (their own copy once fused or packed)."""
         return self.own_draft if self.own_target is not None else self.draft
 
-    def heads_target(self) -> Any:
-        """The -heads decoders' own copy of the SpecSplit target (rewritten as it is): draft heads
-        wrap a target's output layer, which the other decoders' target keeps as it is."""
+    def heads_target(self, eagle: bool = False) -> Any:
+        """The -heads (or -eagle) decoders' own copy of the SpecSplit target (rewritten as it is):
+        draft heads wrap a target's output layer (an EAGLE head its final norm), which the other
+        decoders' target keeps as it is."""
+        if eagle:
+            if self.own_eagle_target is None:
+                self.own_eagle_target = self._rewritten_copy()
+            return self.own_eagle_target
         if self.own_heads_target is None:
-            from specsplit.runtime.fused import fuse_projections
-            from specsplit.runtime.packed import pack_linears
-
-            target = copy.deepcopy(self.target)
-            if self.fused:
-                fuse_projections(target)
-            elif self.packed:
-                pack_linears(target)
-            self.own_heads_target = target
+            self.own_heads_target = self._rewritten_copy()
         return self.own_heads_target
+
+    def _rewritten_copy(self) -> Any:
+        """A copy of the target, fused or packed as the SpecSplit decoders' is."""
+        from specsplit.runtime.fused import fuse_projections
+        from specsplit.runtime.packed import pack_linears
+
+        target = copy.deepcopy(self.target)
+        if self.fused:
+            fuse_projections(target)
+        elif self.packed:
+            pack_linears(target)
+        return target
 
     def use_overlap_device(self, device: str) -> None:
         """Give the overlapped decoders their own draft copy on ``device`` (e.g. a second GPU)."""

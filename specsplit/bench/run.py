@@ -143,6 +143,7 @@ class BenchOptions:
     draft_heads: str | None = None  # the -heads decoders' heads directory
     heads_nodes: int = 32  # tree nodes their guesses take a round
     heads_tree: str = "dynamic"  # their guess tree (TargetConfig.draft_heads_tree)
+    eagle_heads: str | None = None  # the -eagle decoders' EAGLE head directory
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
@@ -152,6 +153,7 @@ class BenchOptions:
             tuning=self.tuning, pipeline=self.pipeline, grpc_workers=self.grpc_workers,
             dynamic_tree=self.dynamic_tree, frspec_vocab=self.frspec_vocab, lookahead=self.lookahead,
             draft_heads=self.draft_heads, heads_nodes=self.heads_nodes, heads_tree=self.heads_tree,
+            eagle_heads=self.eagle_heads,
         )  # fmt: skip
 
 
@@ -457,6 +459,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
             "draft_heads": opts.draft_heads,
             "heads_nodes": opts.heads_nodes,
             "heads_tree": opts.heads_tree,
+            "eagle_heads": opts.eagle_heads,
             "cuda_graphs": opts.cuda_graphs,
             "compile": opts.compile,
             "grpc_workers": opts.grpc_workers,

@@ -257,28 +257,55 @@ def lookahead_tree(
         (guesses.token_ids, guesses.parents, guesses.depths) if guesses else ([], [], [])
     )
     w_tokens, w_parents, w_depths = window.nodes() if window is not None else ([], [], [])
-    top = proposal.top(size - len(g_tokens) - len(w_tokens))
-    g_off = top.num_nodes
-    w_off = g_off + len(g_tokens)
+    free = size - len(w_tokens)
+    top = proposal.top(free - len(g_tokens))
+    tokens, parents, depths = merge_guesses(top, g_tokens, g_parents, g_depths)
+    if len(tokens) < free and top.num_nodes < proposal.num_nodes:  # shared prefixes left room: more n-grams
+        top = proposal.top(top.num_nodes + free - len(tokens))
+        tokens, parents, depths = merge_guesses(top, g_tokens, g_parents, g_depths)
+        while len(tokens) > free:  # the larger proposal shared fewer prefixes: drop its last n-grams
+            top = proposal.top(top.num_nodes - (len(tokens) - free))
+            tokens, parents, depths = merge_guesses(top, g_tokens, g_parents, g_depths)
+    w_off = len(tokens)
     pad = size - w_off - len(w_tokens)
-    filler = (w_tokens or g_tokens or top.token_ids or [0])[0]
-    tokens = top.token_ids + g_tokens + w_tokens + [filler] * pad
-    parents = (
-        top.parents
-        + [p + g_off if p >= 0 else -1 for p in g_parents]
-        + [p + w_off if p >= 0 else -1 for p in w_parents]
-        + [-1] * pad
-    )
-    depths = top.depths + g_depths + w_depths + [1] * pad
+    filler = (w_tokens or tokens or [0])[0]
+    tokens = tokens + w_tokens + [filler] * pad
+    parents = parents + [p + w_off if p >= 0 else -1 for p in w_parents] + [-1] * pad
+    depths = depths + w_depths + [1] * pad
     # a window node has at most two children (the next guess of its row, its column's next row)
-    branch, deepest = top.max_branch, top.max_depth
+    kids = Counter(p for p in parents[:w_off] if p >= 0)
+    branch, deepest = max(kids.values(), default=1), max(depths[:w_off], default=0)
     if window is not None:
         branch, deepest = max(branch, 2), max(deepest, window.depth)
-    if g_tokens:
-        kids = Counter(p for p in g_parents if p >= 0)
-        branch, deepest = max(branch, max(kids.values(), default=1)), max(deepest, max(g_depths))
     tree = _host_tree(tokens, parents, depths, branch, deepest, depth_bound, fixed_bounds)
     return tree, (w_off if window is not None else -1)
+
+
+def merge_guesses(
+    top: Proposal, tokens: list[int], parents: list[int], depths: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """The n-gram nodes ``top`` with the draft heads' guess tree merged in as a trie: a guess whose
+    parent and token an earlier node already has is that node, so the two sources' paths share their
+    common prefix (verification follows one child per token: a guess below a duplicate would never
+    be reached) and no node is spent twice. Returns ``(tokens, parents, depths)``, parents first.
+
+    Args:
+        top: the n-gram nodes (a trie, parents first).
+        tokens / parents / depths: the guesses (parents index them; -1: below the next token).
+    """
+    out_t, out_p, out_d = list(top.token_ids), list(top.parents), list(top.depths)
+    at = {(p, t): i for i, (p, t) in enumerate(zip(out_p, out_t, strict=True))}
+    where: list[int] = []  # each guess's node in the merged tree
+    for t, p, d in zip(tokens, parents, depths, strict=True):
+        par = where[p] if p >= 0 else -1
+        node = at.get((par, t))
+        if node is None:
+            node = at[par, t] = len(out_t)
+            out_t.append(t)
+            out_p.append(par)
+            out_d.append(d)
+        where.append(node)
+    return out_t, out_p, out_d
 
 
 def merge_trees(model: TokenTree, extra: TokenTree) -> TokenTree:

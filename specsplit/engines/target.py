@@ -27,7 +27,7 @@ from specsplit.engines.specpv import SpecPVStats
 from specsplit.engines.verifiers import FullVerifier, SpecPVVerifier, Verifier
 from specsplit.errors import CacheDesyncError, ConfigError, InvalidRequest, SessionNotFound
 from specsplit.messages import VerifyRequest, VerifyResult, WorkerStats
-from specsplit.runtime.heads import TargetHeads
+from specsplit.runtime.heads import Guesser, load_target_heads
 from specsplit.runtime.kv_cache import StaticKVCache
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class TargetEngine(EngineBase[KVCacheState]):
             self._verifier = self._specpv = SpecPVVerifier(self, pv_cfg)
             if self.config.cuda_graphs:
                 logger.warning("SpecPV uses the eager verify path: cuda_graphs is ignored while SpecPV is on")
-        self.heads: TargetHeads | None = None
+        self.heads: Guesser | None = None
         if self.runner.is_loaded:
             self._load_heads()
 
@@ -100,10 +100,15 @@ class TargetEngine(EngineBase[KVCacheState]):
             return
         if self.runner.head is not None or self.config.device_map is not None:
             raise ConfigError("draft heads need a target on one device with its own output layer")
-        rows = self.config.max_tree_nodes + 1  # a round's rows: the pending token's and every node's
-        self.heads = TargetHeads(
-            self.runner.require(), path, self.config.draft_heads_nodes, rows, self.config.draft_heads_tree
-        )
+        cfg = self.config
+        rows = cfg.max_tree_nodes + 1  # a round's rows: the pending token's and every node's
+        self.heads = load_target_heads(
+            self.runner.require(), path, cfg.draft_heads_nodes, rows, cfg.draft_heads_tree,
+            cfg.tuning.graph_capacity, cfg.max_tree_depth, cfg.compile,
+        )  # fmt: skip
+        if self.heads.needs_static and not cfg.cuda_graphs:
+            logger.warning("an EAGLE draft head runs on the static workspace path: it guesses only with "
+                           "target.cuda_graphs on (on a CPU that path runs eagerly)")  # fmt: skip
 
     @property
     def device(self) -> torch.device:

@@ -50,7 +50,7 @@ from specsplit.runtime.runner import h2d
 if TYPE_CHECKING:
     from specsplit.engines.processing import TreeProcessors
     from specsplit.engines.target import KVCacheState, TargetEngine
-    from specsplit.runtime.heads import TargetHeads
+    from specsplit.runtime.heads import Guesser
 
 
 class Verifier(Protocol):
@@ -268,11 +268,9 @@ class FullVerifier:
         result = _result(tokens, next_token, nodes, length + p + len(nodes), max_depth, n)
         result.choices = chosen
         if guesses and eng.heads is not None:  # a second read, off the one-graph path only
-            at = h2d(  # the row that decided the next token, and that token
-                torch.tensor([nodes[-1] + 1 if nodes else 0, next_token], dtype=torch.long),
-                eng.heads.tap.rows.device,
-            )
-            result.guesses = HeadGuesses(*eng.heads.nodes(eng.heads.guesses(at[:1], at[1:]).tolist()))
+            guessed = eng.heads.eager_guesses(pending, n, nodes, tokens, next_token, length, state.static)
+            if guessed is not None:
+                result.guesses = HeadGuesses(*eng.heads.nodes(guessed.tolist()))
         if any(returns):
             rows = h2d(torch.tensor([0] + [i + 1 for i in nodes], dtype=torch.long), scores.device)
             if returns[0]:
@@ -348,11 +346,12 @@ class FullVerifier:
         max_branch: int,
         bucket: int,
         proc: TreeProcessors | None = None,
-        heads: TargetHeads | None = None,
+        heads: Guesser | None = None,
     ) -> GraphedRound:
         buf = static.new_buffers(1 + n, bucket)
         dev = self.engine.device
         steps = torch.arange(max_depth, device=dev)
+        steps_all = torch.arange(max_depth + 1, device=dev)
         stages = None if proc is None else proc.stages
 
         def body(
@@ -373,12 +372,14 @@ class FullVerifier:
                 cache.move_slots(ctx + 1 + outcome.path.clamp_min(0), ctx + 1 + steps)
             assert outcome.choice is not None  # greedy: the rows' argmax
             guesses = None
-            if heads is not None:  # from the row that decided the next token
-                row = outcome.num_accepted.new_zeros(1)
-                if max_depth:
-                    last = outcome.path.index_select(0, (outcome.num_accepted - 1).clamp_min(0).view(1))
-                    row = torch.where(outcome.num_accepted > 0, last + 1, row)
-                guesses = heads.guesses(row, outcome.next_token)
+            if heads is not None:  # from the committed rows: the pending token's, each accepted node's
+                path = outcome.path.clamp_min(0)
+                rows = torch.cat([path.new_zeros(1), path + 1])  # [1 + D] logits rows, pending first
+                nxt = outcome.next_token.view(1)
+                # row i decided token i + 1: the accepted tokens, then (at the last real row) the next one
+                decided = torch.cat([tok.index_select(0, path), nxt]) if max_depth else nxt
+                decided = torch.where(steps_all == outcome.num_accepted, nxt, decided)
+                guesses = heads.round_guesses(rows, decided, outcome.num_accepted + 1, ctx)
             return outcome.path, outcome.num_accepted, outcome.next_token, outcome.choice, guesses
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)

@@ -37,17 +37,19 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
 from specsplit.errors import ConfigError
+from specsplit.runtime.runner import h2d
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "heads.safetensors"
 GUESS_TREES = ("dynamic", "static")
+HEAD_KINDS = ("medusa", "eagle")
 INFO_FILE = "heads.json"
 
 
@@ -62,6 +64,9 @@ class HeadsInfo:
             held-out text; :func:`choice_paths` builds the guess tree from it.
         trained_on: how the training data was made (informational).
         token_input: the heads also read the embedding of the token the row decided (``U_k``).
+        kind: ``"medusa"`` (these heads) or ``"eagle"`` (one autoregressive draft layer,
+            :mod:`specsplit.runtime.eagle`; ``rank_accuracy`` then holds its accuracy by depth).
+        eagle: an EAGLE head's :class:`~specsplit.runtime.eagle.EagleConfig` (empty otherwise).
     """
 
     num_heads: int
@@ -71,6 +76,8 @@ class HeadsInfo:
     rank_accuracy: list[list[float]] = field(default_factory=list)
     trained_on: dict[str, Any] = field(default_factory=dict)
     token_input: bool = False
+    kind: str = "medusa"
+    eagle: dict[str, Any] = field(default_factory=dict)
 
 
 class DraftHeads(torch.nn.Module):
@@ -339,16 +346,12 @@ def save_heads(heads: DraftHeads, info: HeadsInfo, out_dir: str | Path) -> Path:
     return out
 
 
-def load_heads(
-    path: str | Path, device: torch.device | str, dtype: torch.dtype
-) -> tuple[DraftHeads, HeadsInfo]:
-    """Load a heads directory written by :func:`save_heads` onto ``device`` in ``dtype``.
+def read_info(path: str | Path) -> HeadsInfo:
+    """The description of a heads directory (Medusa heads or an EAGLE head).
 
     Raises:
-        ConfigError: the directory is missing or its files do not match each other.
+        ConfigError: the directory is missing, incomplete, or its description is not one.
     """
-    from safetensors.torch import load_file
-
     d = Path(path)
     if not (d / WEIGHTS_FILE).is_file() or not (d / INFO_FILE).is_file():
         raise ConfigError(f"draft heads: {d} holds no {WEIGHTS_FILE} and {INFO_FILE} (train them with "
@@ -358,6 +361,25 @@ def load_heads(
         info = HeadsInfo(**raw)
     except TypeError as e:
         raise ConfigError(f"draft heads: {d / INFO_FILE} is not a heads description ({e})") from None
+    if info.kind not in HEAD_KINDS:
+        raise ConfigError(f"draft heads: {d / INFO_FILE} is of kind {info.kind!r}; known: {HEAD_KINDS}")
+    return info
+
+
+def load_heads(
+    path: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> tuple[DraftHeads, HeadsInfo]:
+    """Load a Medusa heads directory written by :func:`save_heads` onto ``device`` in ``dtype``.
+
+    Raises:
+        ConfigError: the directory is missing, of another kind, or its files do not match each other.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    info = read_info(d)
+    if info.kind != "medusa":
+        raise ConfigError(f"draft heads: {d} holds an {info.kind} head, not Medusa heads")
     tensors = load_file(str(d / WEIGHTS_FILE))
     heads = DraftHeads(info.num_heads, info.hidden_size, info.token_input)
     try:
@@ -366,6 +388,25 @@ def load_heads(
         raise ConfigError(f"draft heads: {d / WEIGHTS_FILE} does not match {INFO_FILE} ({e})") from None
     heads.requires_grad_(False)
     return heads.to(device=device, dtype=dtype).eval(), info
+
+
+class Guesser(Protocol):
+    """What a target engine calls on its draft heads (:class:`TargetHeads`, or an EAGLE head,
+    :class:`~specsplit.runtime.eagle.TargetEagle`): guesses after a round's next token, as a tree."""
+
+    needs_static: bool  # guesses only for the session holding the static workspace
+    num_nodes: int
+
+    def round_guesses(
+        self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def eager_guesses(
+        self, pending: list[int], tree_nodes: int, nodes: list[int], tokens: list[int], next_token: int,
+        length: int, static: bool,
+    ) -> torch.Tensor | None: ...  # fmt: skip
+
+    def nodes(self, guesses: list[int]) -> tuple[list[int], list[int], list[int]]: ...
 
 
 class TargetHeads:
@@ -417,6 +458,28 @@ class TargetHeads:
             self.num_nodes,
         )
 
+    needs_static = False  # the heads read one row of the round's forward, whatever the session
+
+    def round_guesses(
+        self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
+    ) -> torch.Tensor:
+        """A one-graph round's guesses from the last real one of the committed rows (``rows``
+        `[M]` logits rows, ``decided`` `[M]` their tokens, ``count`` `[]` real ones; ``ctx``
+        unused); device ops only."""
+        last = (count - 1).clamp_min(0).view(1)
+        return self.guesses(rows.index_select(0, last), decided.index_select(0, last))
+
+    def eager_guesses(
+        self, pending: list[int], tree_nodes: int, nodes: list[int], tokens: list[int], next_token: int,
+        length: int, static: bool,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """An eager round's guesses (a device tensor the caller reads) from the logits row that
+        decided ``next_token``: the last accepted node's, else the last pending token's (row 0)."""
+        at = h2d(
+            torch.tensor([nodes[-1] + 1 if nodes else 0, next_token], dtype=torch.long), self.tap.rows.device
+        )
+        return self.guesses(at[:1], at[1:])
+
     def guesses(self, row: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The round's guesses, int64 on the device, from the hidden state of logits row ``row``
         (`[1]` int64, on the device) of the last forward, which decided ``token`` (`[1]` int64, on
@@ -437,3 +500,18 @@ class TargetHeads:
             n = self.num_nodes
             return guesses[:n], guesses[n : 2 * n], guesses[2 * n : 3 * n]
         return [guesses[i] for i in self._slots], self._parents, self._depths
+
+
+def load_target_heads(
+    model: Any, path: str | Path, nodes: int, max_rows: int, tree: str, capacity: int, max_depth: int,
+    compile: bool = False,
+) -> Any:  # fmt: skip
+    """The guesser of a heads directory: :class:`TargetHeads` for Medusa heads,
+    :class:`~specsplit.runtime.eagle.TargetEagle` for an EAGLE head (``tree`` applies to Medusa
+    heads only; ``capacity``, ``max_depth`` and ``compile`` to an EAGLE head)."""
+    info = read_info(path)
+    if info.kind == "eagle":
+        from specsplit.runtime.eagle import TargetEagle
+
+        return TargetEagle(model, path, info, nodes, capacity, max_depth, compile)
+    return TargetHeads(model, path, nodes, max_rows, tree)

@@ -23,7 +23,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ class HeadsTrainingOptions:
         ranks: ranks measured per head (the widest a guess tree branches).
         seed: seeds sampling, shuffling and the held-out split.
         token_input: token-conditioned heads (:class:`~specsplit.runtime.heads.DraftHeads`).
+        cache_features_gb: keep the target's features of the training batches, up to this many GiB,
+            instead of recomputing them every epoch (:class:`FeatureCache`; 0: never).
     """
 
     num_heads: int = 4
@@ -72,14 +74,21 @@ class HeadsTrainingOptions:
     ranks: int = 10
     seed: int = 0
     token_input: bool = False
+    cache_features_gb: float = 24.0
 
 
 @dataclass
 class Chat:
-    """One generated chat: ``ids`` (prompt then answer) and where the answer starts."""
+    """One training sequence: ``ids`` (prompt then answer) and where the answer starts.
+
+    ``source``: ``"chat"`` (the target's own greedy answer) or ``"text"`` (a passage of some text
+    wrapped as an answer, :func:`text_chats`: its tokens are not the target's choices, so only a
+    trainer that labels with the target's own predictions uses it, and it is never held out).
+    """
 
     ids: list[int]
     answer_start: int
+    source: str = "chat"
 
 
 @dataclass
@@ -188,6 +197,50 @@ def synthesize_chats(model: Any, tokenizer: Any, opts: HeadsTrainingOptions) -> 
     return [Chat(list(p) + a, len(p)) for p, a in zip(prompts, answers, strict=True) if len(a) > 1]
 
 
+# Files a text corpus takes, and the fence each answer opens with.
+TEXT_SUFFIXES = {".py": "python", ".md": "markdown", ".rst": "rst", ".txt": "", ".json": "json"}
+
+
+def text_chats(
+    tokenizer: Any, paths: Sequence[str], max_tokens: int, chunk_tokens: int = 256, seed: int = 0
+) -> list[Chat]:
+    """Passages of the files under ``paths`` (directories are searched for :data:`TEXT_SUFFIXES`),
+    each wrapped as the answer of a chat that asks for its file, up to ``max_tokens`` answer tokens
+    in all, files in a seeded random order. Cheap data for a trainer that labels with the target's own
+    choices (its forward over the passage gives them): no generation, and code the target writes
+    about resembles code it reads."""
+    from pathlib import Path
+
+    files: list[Path] = []
+    for p in paths:
+        root = Path(p)
+        if root.is_file():
+            files.append(root)
+        elif root.is_dir():
+            files += sorted(f for f in root.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file())
+    random.Random(seed).shuffle(files)
+    out: list[Chat] = []
+    total = 0
+    for f in files:
+        if total >= max_tokens:
+            break
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        prompt = _chat_ids(tokenizer, f"Show me the file {f.name}.")
+        fence = tokenizer(f"```{TEXT_SUFFIXES[f.suffix]}\n", add_special_tokens=False).input_ids
+        for start in range(0, len(ids), chunk_tokens):
+            piece = ids[start : start + chunk_tokens]
+            if len(piece) < 16 or total >= max_tokens:
+                break
+            out.append(Chat(prompt + fence + piece, len(prompt), source="text"))
+            total += len(fence) + len(piece)
+    logger.info("text corpus: %d passages, %d tokens from %d files", len(out), total, len(files))
+    return out
+
+
 def _chat_ids(tokenizer: Any, question: str) -> list[int]:
     """The token ids of a chat holding ``question``, up to the assistant's turn."""
     ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
@@ -228,6 +281,29 @@ def _hidden(model: Any, batch: list[Chat]) -> tuple[torch.Tensor, torch.Tensor, 
     with torch.no_grad():
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
     return hidden, ids, usable
+
+
+class FeatureCache:
+    """What ``make`` computes from the target for each training batch (its features, :func:`_hidden`),
+    computed once and kept while it fits in ``budget_gb``: the batches hold the same chats every epoch
+    (only their order changes), so later epochs skip the target's forwards. Keyed by the batch's chats."""
+
+    def __init__(self, make: Callable[[list[Chat]], tuple[torch.Tensor, ...]], budget_gb: float):
+        self.make = make
+        self.left = int(budget_gb * 2**30)
+        self.kept: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+
+    def get(self, batch: list[Chat]) -> tuple[torch.Tensor, ...]:
+        key = tuple(id(c) for c in batch)
+        hit = self.kept.get(key)
+        if hit is not None:
+            return hit
+        out = self.make(batch)
+        size = sum(t.numel() * t.element_size() for t in out)
+        if size <= self.left:
+            self.kept[key] = out
+            self.left -= size
+        return out
 
 
 def _rows(k: int, ids: torch.Tensor, usable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,9 +352,10 @@ def train_heads(
     t0 = time.perf_counter()
     losses = [0.0] * opts.num_heads
     step = 0
+    cache = FeatureCache(lambda b: _hidden(model, b), opts.cache_features_gb)
     for epoch in range(opts.epochs):
         for batch in _batches(train, opts.tokens_per_step, rng):
-            hidden, ids, usable = _hidden(model, batch)
+            hidden, ids, usable = cache.get(batch)
             for k in range(1, opts.num_heads + 1):
                 b, p, labels = _rows(k, ids, usable)
                 if labels.numel() == 0:

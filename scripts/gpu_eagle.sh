@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# On a GPU machine after `ASSEMBLE_ARGS="--models qwen2.5-coder-1.5b" bash scripts/gpu_assemble.sh`:
+# the EAGLE head's runs of benchmarks/RESULTS.md ("An EAGLE head") into $OUT_DIR, each step logged there
+# and noted in $OUT_DIR/progress.
+#   1. the target's chats and an EAGLE head trained on them (EAGLE_DIR, if it holds none yet):
+#      `specsplit heads train --kind eagle`, CHATS chats written in batches of GEN_BATCH;
+#   2. beside the training, the GPU tests of draft heads (Medusa's and EAGLE's, graphs and compiled);
+#   3. `specsplit bench`: target-only, n-gram + lookahead (the default mode), and the EAGLE head with
+#      and without the window, compiled, in one run (DECODERS overrides the list);
+#   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run.
+# The bench needs no draft model (`--draft self:2`): stage the target alone. TARGET / DEVICE change the
+# model and the device (a dry run on a CPU: TARGET=smollm2-135m DEVICE=cpu CHATS=64 ...).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export SPECSPLIT_CACHE="${SPECSPLIT_CACHE:-/tmp/specsplit-cache}"
+export PYTHONPATH="${SITE:-/tmp/site}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT_DIR:-benchmarks/results}"
+TARGET="${TARGET:-qwen2.5-coder-1.5b}"
+EAGLE="${EAGLE_DIR:-.models/eagle-qwen1.5b}"
+CHATS_FILE="${CHATS_FILE:-$EAGLE.chats.jsonl}"
+mkdir -p "$OUT"
+note() { echo "$(date -u +%H:%M:%S) $*" >> "$OUT/progress"; }
+note start
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_heads" > "$OUT/gpu_tests.log" 2>&1 &
+tests=$!
+if [ ! -f "$EAGLE/heads.json" ]; then
+  chats=(--conversations "${CHATS:-16384}" --generate-batch "${GEN_BATCH:-2048}" --save-chats "$CHATS_FILE")
+  [ -f "$CHATS_FILE" ] && chats=(--chats "$CHATS_FILE")
+  python3 -m specsplit.cli -v heads train --kind eagle --target "$TARGET" --out "$EAGLE" "${chats[@]}" \
+    ${EAGLE_ARGS:-} > "$OUT/eagle-train.log" 2>&1
+  note "eagle train rc=$?"
+fi
+heads_flags=()
+decoders="${DECODERS:-specsplit-target-only-compiled,specsplit-lookahead-always-compiled,specsplit-eagle-lookahead-always-compiled,specsplit-eagle-always-compiled}"
+if [ -n "${MEDUSA_DIR:-}" ]; then
+  if [ ! -f "$MEDUSA_DIR/heads.json" ]; then
+    python3 -m specsplit.cli -v heads train --target "$TARGET" --out "$MEDUSA_DIR" --chats "$CHATS_FILE" \
+      > "$OUT/medusa-train.log" 2>&1
+    note "medusa train rc=$?"
+  fi
+  heads_flags=(--draft-heads "$MEDUSA_DIR")
+  decoders="$decoders,specsplit-heads-lookahead-always-compiled"
+fi
+wait "$tests"
+note "gpu tests rc=$?"
+python3 -m specsplit.cli bench --suite full --target "$TARGET" --device "${DEVICE:-cuda:0}" --draft self:2 --repeats 1 --prompts-per-category \
+  "${PER_CATEGORY:-2}" --max-new-tokens 128 --dtype auto --cuda-graphs --fuse-projections --no-tie-analysis \
+  --out "$OUT" --tag "${TAG:-eagle-compiled}" --eagle-heads "$EAGLE" --heads-nodes "${HEADS_NODES:-32}" \
+  "${heads_flags[@]}" --decoders "$decoders" > "$OUT/bench.log" 2>&1
+note "bench rc=$?"
+cp "$EAGLE/heads.json" "$OUT/eagle-heads.json" 2>/dev/null
+note done
