@@ -7,7 +7,10 @@
 #   2. beside the training, the GPU tests of draft heads (Medusa's and EAGLE's, graphs and compiled);
 #   3. `specsplit bench`: target-only, n-gram + lookahead (the default mode), and the EAGLE head with
 #      and without the window, compiled, in one run (DECODERS overrides the list);
-#   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run.
+#   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run;
+#   0. ROUND_KERNELS=1: first, alone on the GPU, the kernels of a compiled round with a random EAGLE
+#      head against the same round without it (round_kernels.py; no staging needed, so this step may
+#      also run on its own while the model's chunks are still being carried: ONLY_ROUND_KERNELS=1).
 # The bench needs no draft model (`--draft self:2`): stage the target alone. TARGET / DEVICE change the
 # model and the device (a dry run on a CPU: TARGET=smollm2-135m DEVICE=cpu CHATS=64 ...).
 set -uo pipefail
@@ -21,6 +24,17 @@ CHATS_FILE="${CHATS_FILE:-$EAGLE.chats.jsonl}"
 mkdir -p "$OUT"
 note() { echo "$(date -u +%H:%M:%S) $*" >> "$OUT/progress"; }
 note start
+if [ -n "${ROUND_KERNELS:-}${ONLY_ROUND_KERNELS:-}" ]; then
+  for heads in "" "--heads ${HEADS_NODES:-32} --heads-kind eagle"; do
+    tag=h200-compiled-no-heads
+    [ -n "$heads" ] && tag=h200-compiled-eagle
+    # shellcheck disable=SC2086  # $heads is a list of arguments
+    python3 benchmarks/round_kernels.py --device "${DEVICE:-cuda:0}" --sizes 32 --compile --tag "$tag" \
+      $heads >> "$OUT/round_kernels.log" 2>&1
+    note "round_kernels ${heads:-no heads} rc=$?"
+  done
+  [ -n "${ONLY_ROUND_KERNELS:-}" ] && { note done; exit 0; }
+fi
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_heads" > "$OUT/gpu_tests.log" 2>&1 &
 tests=$!
 if [ ! -f "$EAGLE/heads.json" ]; then
