@@ -79,16 +79,16 @@ def _random_heads(model: Any) -> str:
     return str(save_heads(heads, info, Path(tempfile.mkdtemp(prefix="specsplit-heads-"))))
 
 
-def _random_eagle(model: Any) -> str:
+def _random_eagle(model: Any, subset: int | None = None) -> str:
     """A directory of a random EAGLE head of ``model``'s shapes (the training defaults: a
-    32,768-token subset, top-8 children, 8 wide, 5 deep)."""
+    32,768-token subset, top-8 children, 8 wide, 5 deep; ``subset`` scored tokens instead)."""
     import tempfile
 
     from specsplit.runtime.eagle import EagleConfig, EagleLayer, save_eagle
     from specsplit.runtime.heads import HeadsInfo
 
     w = model.get_output_embeddings().weight
-    cfg = EagleConfig.for_target(model)
+    cfg = EagleConfig.for_target(model, **({"vocab_subset": subset} if subset else {}))
     layer = EagleLayer(cfg).to(w.device, w.dtype)
     vocab = torch.randperm(w.shape[0])[: cfg.vocab_subset].sort().values
     info = HeadsInfo(cfg.depth, w.shape[1], w.shape[0])
@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=0, help="random draft heads with N guess nodes (0: none)")
     p.add_argument("--heads-kind", choices=("medusa", "eagle"), default="medusa",
                    help="--heads: Medusa-style heads or an EAGLE head growing its tree in the round")  # fmt: skip
+    p.add_argument(
+        "--eagle-vocab", type=int, default=0, help="--heads-kind eagle: scored tokens (0: default)"
+    )
+    p.add_argument("--eagle-topk-chunk", type=int, default=-1,
+                   help="--heads-kind eagle: eagle.TOPK_CHUNK (0: one torch.topk; -1: the default)")  # fmt: skip
     p.add_argument("--trace", action="store_true", help="also write each size's Chrome trace (.trace.json)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
@@ -186,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with dev:
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16).eval()
-    heads = None if not a.heads else _random_eagle(model) if a.heads_kind == "eagle" else _random_heads(model)
+    if a.eagle_topk_chunk >= 0:
+        from specsplit.runtime import eagle
+
+        eagle.TOPK_CHUNK = a.eagle_topk_chunk or None
+    eagle_dir = _random_eagle(model, a.eagle_vocab or None) if a.heads_kind == "eagle" else None
+    heads = None if not a.heads else eagle_dir or _random_heads(model)
     # An EAGLE head follows the static workspace's session: on a CPU that path runs without capture.
     static = dev.type == "cuda" or (bool(a.heads) and a.heads_kind == "eagle")
     cfg = TargetConfig(cuda_graphs=static, compile=a.compile, fuse_projections=True,
@@ -276,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         + (" --eager-ops" if a.eager_ops else "")
         + (f" --heads {a.heads}" if a.heads else "")
         + (f" --heads-kind {a.heads_kind}" if a.heads and a.heads_kind != "medusa" else "")
+        + (f" --eagle-vocab {a.eagle_vocab}" if a.eagle_vocab else "")
+        + (f" --eagle-topk-chunk {a.eagle_topk_chunk}" if a.eagle_topk_chunk >= 0 else "")
         + (f" --tag {a.tag}" if a.tag else "")
         + "`",
         f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",

@@ -8,7 +8,9 @@ closed under parents), against a host oracle that runs each node alone; generati
 equal HF greedy in float32 (with and without a lookahead window, one target forward a round) and
 target-only sampling for the same seed; a head trained on a tiny model's own answers guesses its
 tokens better than the untrained one and its guesses are accepted; heads files round-trip, and
-heads that do not fit are refused.
+heads that do not fit are refused. The inference shortcuts compute what the plain layer does: the
+packed q/k/v and gate/up products (training keeps reading the live weights) and the two-stage top-k
+(the same top-k, the same tree).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from specsplit.runtime.eagle import (
     EagleLayer,
     TargetEagle,
     attend,
+    chunked_topk,
     load_eagle,
     pick_tree,
     save_eagle,
@@ -192,6 +195,54 @@ def test_the_grown_tree_is_eagle2s_tree_closed_under_parents():
         for i, p in enumerate(parents):  # parents come first, one level up
             assert p < i and (depths[i] == 1 if p < 0 else depths[p] == depths[i] - 1)
         assert max(depths) == (layer.cfg.depth if nodes > 12 else max(depths))
+
+
+@pytest.mark.parametrize("chunk", [None, 8, 16, 64, 7, 2])  # 7: does not split; 2: k > chunk
+def test_chunked_topk_is_topk(chunk):
+    torch.manual_seed(0)
+    x = torch.randn(5, 256)
+    x[1, 200:] += 10.0  # a row whose best k sit in one run
+    want_v, want_i = x.topk(4, dim=-1)
+    vals, idx = chunked_topk(x, 4, chunk)
+    assert torch.equal(vals, want_v) and torch.equal(idx, want_i)
+
+
+def test_packed_projections_compute_what_the_layer_computes_and_training_reads_live_weights():
+    model = tiny_qwen2(2)
+    layer = _layer(model, noise=0.1)
+    feats, emb = torch.randn(1, 3, layer.cfg.hidden_size), torch.randn(1, 3, layer.cfg.hidden_size)
+    cos, sin = model.get_decoder().rotary_emb(feats, torch.arange(3).view(1, -1))
+
+    def run():
+        x, q, k, v = layer.qkv(feats, emb, cos, sin)
+        return [x, q, k, v, layer.out(x, q.transpose(1, 2).reshape(1, 3, -1))]
+
+    with torch.no_grad():
+        live = run()
+        layer.pack()
+        packed = run()
+    for a, b in zip(live, packed, strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        layer.up.weight.mul_(2.0)  # a training step after pack(): autograd forwards see it
+    assert not torch.allclose(run()[-1], packed[-1])
+    with torch.no_grad():  # the snapshot is what forwards without autograd keep using
+        torch.testing.assert_close(run()[-1], packed[-1])
+
+
+def test_a_chunked_top_k_grows_the_same_tree():
+    model = tiny_qwen2(2)
+    layer = _layer(model, noise=0.1)
+    ids = PROMPT + [17]
+    f, n = _features(model, ids[:-1]), len(ids) - 1
+    trees = []
+    for chunk in (None, 16):
+        head = _drafter(model, copy.deepcopy(layer))
+        head.topk_chunk = chunk
+        with torch.no_grad():
+            h = head.ingest(f, torch.tensor(ids[1:]), torch.zeros((), dtype=torch.long), torch.tensor(n))
+            trees.append(head.grow(h, torch.tensor(n), layer.cfg.candidates).tolist())
+    assert trees[0] == trees[1]
 
 
 def test_pick_tree_keeps_the_best_candidates_closed_under_parents():

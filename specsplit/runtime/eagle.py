@@ -61,6 +61,9 @@ KIND = "eagle"
 _TIEBREAK = 1e-4  # as in heads.pick_guess_tree: a path scores strictly below its prefix
 # Rows of the one-graph round's ingest are padded up to one of these (one compiled variant each).
 INGEST_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256)
+# Top-k over the scored subset in two stages of this many tokens each (None: one torch.topk); see
+# chunked_topk. The default is what benchmarks/topk_probe.py measured faster on the GPU.
+TOPK_CHUNK: int | None = 2048
 
 
 @dataclass
@@ -160,6 +163,8 @@ class EagleLayer(torch.nn.Module):
         self.up = torch.nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down = torch.nn.Linear(cfg.intermediate_size, h, bias=False)
         self.norm_out = _RMSNorm(h, cfg.rms_eps)
+        self._qkv_sizes = [cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
+        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see pack()
 
     def qkv(
         self, feats: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -171,9 +176,14 @@ class EagleLayer(torch.nn.Module):
         c = self.cfg
         x = self.fc(torch.cat([feats, emb], dim=-1))
         h = self.norm_in(x)
-        q = self.q(h).view(b, r, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k(h).view(b, r, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v(h).view(b, r, c.kv_heads, c.head_dim).transpose(1, 2)
+        packed = self._packed if not torch.is_grad_enabled() else None
+        if packed is not None:  # one product for q, k and v
+            q, k, v = F.linear(h, packed[0], packed[1]).split(self._qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        q = q.reshape(b, r, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(b, r, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(b, r, c.kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return x, _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
@@ -181,9 +191,31 @@ class EagleLayer(torch.nn.Module):
         """`[B, R, H]` the predicted features, from the residual ``x`` and the attention output."""
         x = x + self.o(attn)
         h = self.norm_mid(x)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        packed = self._packed if not torch.is_grad_enabled() else None
+        if packed is not None:  # one product for gate and up
+            gate, up = F.linear(h, packed[2]).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(h), self.up(h)
+        x = x + self.down(F.silu(gate) * up)
         out: torch.Tensor = self.norm_out(x)
         return out
+
+    def pack(self) -> None:
+        """Concatenate q/k/v and gate/up into one weight each, for inference: two products a pass
+        instead of five (each a kernel launch, and the small k/v products are pure launch latency).
+
+        The packed copies are a snapshot: they serve only forwards without autograd, so training
+        (grad enabled) always reads the live weights; pack again after changing the weights."""
+        with torch.no_grad():
+            bias: list[torch.Tensor] = [
+                t.bias if t.bias is not None else t.weight.new_zeros(t.weight.shape[0])
+                for t in (self.q, self.k, self.v)
+            ]
+            self._packed = (
+                torch.cat([self.q.weight, self.k.weight, self.v.weight]).contiguous(),
+                torch.cat(bias).contiguous(),
+                torch.cat([self.gate.weight, self.up.weight]).contiguous(),
+            )
 
     def warm_start(self, model: Any) -> None:
         """Copy the target's last decoder layer (and final norm) into this one: a start that already
@@ -228,6 +260,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return o.transpose(1, 2).reshape(b, r, nh * d)
 
 
+def chunked_topk(x: torch.Tensor, k: int, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise top-``k`` of ``x`` (`[R, N]`): values best first and their indices, as
+    ``x.topk(k)`` gives them, in two stages: the top ``k`` of every run of ``chunk`` columns, then
+    the top ``k`` of those. Exact (the best ``k`` of a row are among the best ``k`` of their runs);
+    on a GPU two top-k's over short rows can take fewer kernels than one over a long row with few
+    rows. Falls back to one ``topk`` when ``chunk`` is None or does not split the rows evenly."""
+    r, n = x.shape
+    if chunk is None or k > chunk or n % chunk or n // chunk * k >= n:
+        vals, idx = x.topk(k, dim=-1)
+        return vals, idx
+    runs = n // chunk
+    part_v, part_i = x.view(r, runs, chunk).topk(k, dim=-1)  # [R, runs, k]
+    offsets = torch.arange(0, n, chunk, device=x.device).view(1, runs, 1)
+    vals, at = part_v.reshape(r, runs * k).topk(k, dim=-1)
+    return vals, (part_i + offsets).reshape(r, runs * k).gather(1, at)
+
+
 class EagleDrafter:
     """An EAGLE head's state for rounds of one sequence: its KV cache, its output layer over the
     subset, and the two device functions :meth:`ingest` and :meth:`grow`.
@@ -255,7 +304,9 @@ class EagleDrafter:
         cfg = layer.cfg
         w = layer.fc.weight
         dev, dt = w.device, w.dtype
+        layer.pack()
         self.layer, self.cfg, self.embed, self.rotary = layer, cfg, embed, rotary
+        self.topk_chunk = TOPK_CHUNK
         self.capacity = capacity
         self.vocab_ids = vocab_ids.to(dev)
         # Cache slots: committed positions [0, capacity), then an ingest's padding rows, then the tree's.
@@ -278,14 +329,21 @@ class EagleDrafter:
         cos, sin = self.rotary(x, pos.view(1, -1))
         return cos, sin
 
-    def _logp(self, y: torch.Tensor) -> torch.Tensor:
-        """`[R, S]` float32 log-probabilities over the subset of features ``y`` (`[R, H]`)."""
-        return F.linear(y, self.lm).float().log_softmax(-1)
+    def _top(self, y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best subset tokens of each row of features ``y`` (`[R, H]`): float32
+        log-probabilities `[R, k]`, best first, and their subset indices. Top-k runs on the logits
+        (log-softmax keeps each row's order) and only the k picks are normalised."""
+        logits = F.linear(y, self.lm).float()  # [R, S]
+        vals, idx = chunked_topk(logits, k, self.topk_chunk)
+        return vals - logits.logsumexp(-1, keepdim=True), idx
 
     def ingest(
         self, feats: torch.Tensor, tokens: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor
     ) -> torch.Tensor:
         """Write committed positions ``ctx .. ctx + count - 1`` into the cache; device ops only.
+
+        Every row's key and value go to the cache, but only the last real row's output is needed,
+        so attention and the rest of the layer run for that row alone.
 
         Args:
             feats: `[M, H]` the target's features at those positions (rows past ``count``: padding).
@@ -296,26 +354,38 @@ class EagleDrafter:
         Returns:
             `[H]` the head's predicted feature after the last real row.
         """
-        y = self.ingest_rows(feats, tokens, ctx, count)
-        return y.index_select(0, (count - 1).clamp_min(0).view(1))[0]
+        last = (count - 1).clamp_min(0).view(1)
+        x, q, pos = self._write(feats, tokens, ctx, count)
+        out = self._attend_out(x.index_select(1, last), q.index_select(2, last), pos.index_select(0, last))
+        return out[0]
 
     def ingest_rows(
         self, feats: torch.Tensor, tokens: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`ingest`, returning every row's predicted feature (`[M, H]`)."""
+        x, q, pos = self._write(feats, tokens, ctx, count)
+        return self._attend_out(x, q, pos)
+
+    def _write(
+        self, feats: torch.Tensor, tokens: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An ingest's keys and values into the cache; ``(residual, rotated queries, positions)``."""
         m = feats.shape[0]
         ar = self.slots[:m]
         pos = ctx + ar  # [M]
         emb = self.embed(tokens).to(feats.dtype)
         cos, sin = self._rope(feats, pos)
         x, q, k, v = self.layer.qkv(feats[None], emb[None], cos, sin)
-        real = ar < count
-        where = torch.where(real, pos, self.pad_base + ar)
+        where = torch.where(ar < count, pos, self.pad_base + ar)
         self.k.index_copy_(2, where, k)
         self.v.index_copy_(2, where, v)
-        # A real row sees every committed position and this ingest's rows up to itself.
+        return x, q, pos
+
+    def _attend_out(self, x: torch.Tensor, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """`[R, H]` ingested rows' outputs: each row at ``pos`` sees every committed position up to
+        itself (this ingest's earlier rows included)."""
         seen = (self.slots[None, :] <= pos[:, None]) & (self.slots[None, :] < self.pad_base)
-        mask = torch.where(seen, 0.0, self.neg).to(feats.dtype)[None]  # [1, M, L]
+        mask = torch.where(seen, 0.0, self.neg).to(x.dtype)[None]  # [1, R, L]
         out: torch.Tensor = self.layer.out(x, attend(q, self.k, self.v, mask))[0]
         return out
 
@@ -360,8 +430,8 @@ class EagleDrafter:
         c = self.cfg
         kk, w = c.topk, c.width
         dev = h.device
-        vals, idx = self._logp(h[None])[0].topk(kk)  # [K]
-        tok = self.vocab_ids.index_select(0, idx)
+        vals, idx = self._top(h[None], kk)  # [1, K]
+        vals, tok = vals[0], self.vocab_ids.index_select(0, idx[0])
         toks, scores, parents, depths = (
             [tok],
             [vals],
@@ -377,7 +447,7 @@ class EagleDrafter:
         for level in range(1, c.depth):
             slot = self._width + (self.tree_base + (level - 1) * w)  # [W] this level's scratch slots
             y, seen = self.level(f_hid, f_tok, f_anc, slot, valid + level - 1)
-            cv, ci = self._logp(y).topk(kk, dim=-1)  # [W, K]
+            cv, ci = self._top(y, kk)  # [W, K]
             c_tok = self.vocab_ids.index_select(0, ci.reshape(-1))  # [W * K]
             c_score = (f_score[:, None] + cv).reshape(-1)
             toks.append(c_tok)
