@@ -207,7 +207,7 @@ def test_chunked_topk_is_topk(chunk):
     assert torch.equal(vals, want_v) and torch.equal(idx, want_i)
 
 
-def test_packed_projections_compute_what_the_layer_computes_and_training_reads_live_weights():
+def test_packed_projections_compute_what_the_layer_computes_and_follow_its_weights(tmp_path):
     model = tiny_qwen2(2)
     layer = _layer(model, noise=0.1)
     feats, emb = torch.randn(1, 3, layer.cfg.hidden_size), torch.randn(1, 3, layer.cfg.hidden_size)
@@ -223,11 +223,22 @@ def test_packed_projections_compute_what_the_layer_computes_and_training_reads_l
         packed = run()
     for a, b in zip(live, packed, strict=True):
         torch.testing.assert_close(a, b)
+    assert layer.k.weight.untyped_storage().data_ptr() == layer.q.weight.untyped_storage().data_ptr()
     with torch.no_grad():
-        layer.up.weight.mul_(2.0)  # a training step after pack(): autograd forwards see it
-    assert not torch.allclose(run()[-1], packed[-1])
-    with torch.no_grad():  # the snapshot is what forwards without autograd keep using
-        torch.testing.assert_close(run()[-1], packed[-1])
+        layer.up.weight.mul_(2.0)  # a change after pack(): both paths read it (no stale copy)
+        changed = run()[-1]
+    assert not torch.allclose(changed, packed[-1])
+    torch.testing.assert_close(run()[-1], changed)  # with autograd: the separate modules
+    half = copy.deepcopy(layer).to(torch.bfloat16)  # .to() makes new tensors and undoes the packing
+    assert half._packed is None
+    half.pack()  # a packed layer (parameters that share storage) saves and loads
+    info = HeadsInfo(
+        num_heads=layer.cfg.depth, hidden_size=layer.cfg.hidden_size, vocab_size=layer.cfg.vocab_size
+    )
+    out = save_eagle(half, torch.arange(layer.cfg.vocab_size), info, tmp_path / "packed")
+    loaded, _ = load_eagle(out, read_info(out), "cpu", torch.bfloat16)
+    for name, t in half.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), t), name
 
 
 def test_a_chunked_top_k_grows_the_same_tree():

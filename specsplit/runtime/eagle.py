@@ -134,6 +134,21 @@ class _RMSNorm(torch.nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+def _pack_rows(mods: tuple[torch.nn.Linear, ...], name: str) -> torch.Tensor | None:
+    """One tensor of the modules' ``name`` parameters stacked by rows, each module's parameter
+    replaced by its slice of it (None where a module has no such parameter)."""
+    parts = [getattr(m, name) for m in mods]
+    if any(t is None for t in parts):
+        assert all(t is None for t in parts), f"some {name}s missing: the packed product would drop the rest"
+        return None
+    whole = torch.cat([t.detach() for t in parts])
+    at = 0
+    for m, t in zip(mods, parts, strict=True):
+        setattr(m, name, torch.nn.Parameter(whole[at : at + t.shape[0]], requires_grad=t.requires_grad))
+        at += t.shape[0]
+    return whole
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -164,7 +179,7 @@ class EagleLayer(torch.nn.Module):
         self.down = torch.nn.Linear(cfg.intermediate_size, h, bias=False)
         self.norm_out = _RMSNorm(h, cfg.rms_eps)
         self._qkv_sizes = [cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
-        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see pack()
+        self._packed: tuple[Any, Any, Any] | None = None  # see pack()
 
     def qkv(
         self, feats: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -201,21 +216,25 @@ class EagleLayer(torch.nn.Module):
         return out
 
     def pack(self) -> None:
-        """Concatenate q/k/v and gate/up into one weight each, for inference: two products a pass
-        instead of five (each a kernel launch, and the small k/v products are pure launch latency).
+        """Lay q/k/v (weights and biases) and gate/up out as slices of one tensor each, for
+        inference: two products a pass instead of five (each a kernel launch; the small k/v products
+        are pure launch latency).
 
-        The packed copies are a snapshot: they serve only forwards without autograd, so training
-        (grad enabled) always reads the live weights; pack again after changing the weights."""
+        The modules keep their parameters, now views of the packed tensors: no second copy, and
+        weights loaded or changed in place afterwards are what the packed products read. Forwards
+        with autograd use the separate modules (each parameter gets its gradient). Call it once the
+        layer has its device and dtype: ``.to()`` gives the modules new tensors and undoes it."""
         with torch.no_grad():
-            bias: list[torch.Tensor] = [
-                t.bias if t.bias is not None else t.weight.new_zeros(t.weight.shape[0])
-                for t in (self.q, self.k, self.v)
-            ]
             self._packed = (
-                torch.cat([self.q.weight, self.k.weight, self.v.weight]).contiguous(),
-                torch.cat(bias).contiguous(),
-                torch.cat([self.gate.weight, self.up.weight]).contiguous(),
+                _pack_rows((self.q, self.k, self.v), "weight"),
+                _pack_rows((self.q, self.k, self.v), "bias"),
+                _pack_rows((self.gate, self.up), "weight"),
             )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # .to() / .half() / .cuda() give the parameters new tensors: the packing no longer holds them
+        self._packed = None
+        return super()._apply(fn, recurse)
 
     def warm_start(self, model: Any) -> None:
         """Copy the target's last decoder layer (and final norm) into this one: a start that already
