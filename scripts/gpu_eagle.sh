@@ -4,7 +4,8 @@
 # and noted in $OUT_DIR/progress.
 #   1. the target's chats and an EAGLE head trained on them (EAGLE_DIR, if it holds none yet):
 #      `specsplit heads train --kind eagle`, CHATS chats written in batches of GEN_BATCH;
-#   2. beside the training, the GPU tests of draft heads (Medusa's and EAGLE's, graphs and compiled);
+#   2. beside the training, the GPU tests of draft heads (Medusa's and EAGLE's, graphs and compiled;
+#      GPU_TESTS=0 skips them);
 #   3. `specsplit bench`: target-only, n-gram + lookahead (the default mode), and the EAGLE head with
 #      and without the window, compiled, in one run (DECODERS overrides the list);
 #   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run;
@@ -35,8 +36,11 @@ if [ -n "${ROUND_KERNELS:-}${ONLY_ROUND_KERNELS:-}" ]; then
   done
   [ -n "${ONLY_ROUND_KERNELS:-}" ] && { note done; exit 0; }
 fi
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_heads" > "$OUT/gpu_tests.log" 2>&1 &
-tests=$!
+tests=
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_heads" > "$OUT/gpu_tests.log" 2>&1 &
+  tests=$!
+fi
 if [ ! -f "$EAGLE/heads.json" ]; then
   chats=(--conversations "${CHATS:-16384}" --generate-batch "${GEN_BATCH:-2048}" --save-chats "$CHATS_FILE")
   [ -f "$CHATS_FILE" ] && chats=(--chats "$CHATS_FILE")
@@ -55,8 +59,10 @@ if [ -n "${MEDUSA_DIR:-}" ]; then
   heads_flags=(--draft-heads "$MEDUSA_DIR")
   decoders="$decoders,specsplit-heads-lookahead-always-compiled"
 fi
-wait "$tests"
-note "gpu tests rc=$?"
+if [ -n "$tests" ]; then
+  wait "$tests"
+  note "gpu tests rc=$?"
+fi
 python3 -m specsplit.cli bench --suite full --target "$TARGET" --device "${DEVICE:-cuda:0}" --draft self:2 --repeats 1 --prompts-per-category \
   "${PER_CATEGORY:-2}" --max-new-tokens 128 --dtype auto --cuda-graphs --fuse-projections --no-tie-analysis \
   --out "$OUT" --tag "${TAG:-eagle-compiled}" --eagle-heads "$EAGLE" --heads-nodes "${HEADS_NODES:-32}" \
