@@ -9,6 +9,8 @@
 #   3. `specsplit bench`: target-only, n-gram + lookahead (the default mode), and the EAGLE head with
 #      and without the window, compiled, in one run (DECODERS overrides the list);
 #   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run;
+#   HOME_PIECES=1 / HEAD_PIECES=DIR: the trained head in pieces to bring home, and restored from them;
+#   CHATS_FILE: chats written by an earlier lease (`.jsonl` or `.jsonl.gz`), so none are generated;
 #   0. ROUND_KERNELS=1: first, alone on the GPU, the kernels of a compiled round with a random EAGLE
 #      head against the same round without it (round_kernels.py; no staging needed, so this step may
 #      also run on its own while the model's chunks are still being carried: ONLY_ROUND_KERNELS=1).
@@ -36,6 +38,12 @@ if [ -n "${ROUND_KERNELS:-}${ONLY_ROUND_KERNELS:-}" ]; then
   done
   [ -n "${ONLY_ROUND_KERNELS:-}" ] && { note done; exit 0; }
 fi
+# The head travels home in pieces a device call brings back (<= 16 MiB a file), and back out the same
+# way: a later lease carries the pieces of HOME_PIECES=1 as $HEAD_PIECES/ and skips the training.
+if [ ! -f "$EAGLE/heads.json" ] && compgen -G "${HEAD_PIECES:-/nonexistent}/eagle-head.tar.part*" > /dev/null; then
+  mkdir -p "$EAGLE" && cat "$HEAD_PIECES"/eagle-head.tar.part* | tar -x -C "$EAGLE"
+  note "eagle head restored from $HEAD_PIECES rc=$?"
+fi
 tests=
 if [ "${GPU_TESTS:-1}" != 0 ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_heads" > "$OUT/gpu_tests.log" 2>&1 &
@@ -47,6 +55,11 @@ if [ ! -f "$EAGLE/heads.json" ]; then
   python3 -m specsplit.cli -v heads train --kind eagle --target "$TARGET" --out "$EAGLE" "${chats[@]}" \
     ${EAGLE_ARGS:-} > "$OUT/eagle-train.log" 2>&1
   note "eagle train rc=$?"
+fi
+if [ -n "${HOME_PIECES:-}" ] && [ -f "$EAGLE/heads.json" ]; then
+  mkdir -p "$OUT/home"
+  tar -C "$EAGLE" -cf - heads.json heads.safetensors | split -b 15m -d - "$OUT/home/eagle-head.tar.part"
+  note "eagle head in pieces: $(ls "$OUT/home" | tr '\n' ' ')"
 fi
 heads_flags=()
 decoders="${DECODERS:-specsplit-target-only-compiled,specsplit-lookahead-always-compiled,specsplit-eagle-lookahead-always-compiled,specsplit-eagle-always-compiled}"

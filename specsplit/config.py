@@ -457,6 +457,13 @@ class NgramConfig:
             unknown whether the window pays. Its probes compare different stretches of text, and a
             probe of lookahead starts from a window that has not run, so on a GPU it can settle on
             the planner where lookahead pays (benchmarks/NOTES.md, "Lookahead").
+        guess_policy: with a target that has draft heads: ``"always"`` (the default) grows their
+            guesses in every round; ``"adaptive"`` grows them only where they have added tokens
+            worth their cost (:class:`~specsplit.engines.ab_policy.GuessPolicy`: measured gain per
+            context against the round time growing adds), so rounds that copy their context skip an
+            EAGLE head's levels and only feed its cache.
+        guess_cost_tokens: ``"adaptive"``'s cost of growing guesses, in committed tokens, instead of
+            timing rounds with and without them (None: timed).
     """
 
     min_n: int = 1
@@ -470,6 +477,8 @@ class NgramConfig:
     lookahead_pool: int = 7
     lookahead_nodes: int = DEFAULT_LOOKAHEAD_NODES
     lookahead_policy: str = "always"
+    guess_policy: str = "always"
+    guess_cost_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -492,6 +501,10 @@ class NgramConfig:
             raise ConfigError(
                 f"ngram.lookahead_policy must be 'adaptive' or 'always', got {self.lookahead_policy!r}"
             )
+        if self.guess_policy not in ("adaptive", "always"):
+            raise ConfigError(f"ngram.guess_policy must be 'adaptive' or 'always', got {self.guess_policy!r}")
+        if self.guess_cost_tokens is not None and not self.guess_cost_tokens >= 0:
+            raise ConfigError(f"ngram.guess_cost_tokens must be >= 0 or None, got {self.guess_cost_tokens!r}")
 
 
 @dataclass

@@ -171,7 +171,9 @@ class VerifyRequest:
             lookahead drafting learns from them).
         return_guesses: return the target's draft-head guesses (``VerifyResult.guesses``; a target
             without heads returns none). A caller that would not use them leaves the heads' work
-            undone.
+            undone; once a session has asked, an EAGLE head (a cache of its own) still takes each
+            round's commit when a later round does not ask, so guesses asked for again see every
+            position.
     """
 
     session_id: str

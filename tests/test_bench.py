@@ -690,6 +690,7 @@ _OPTIONAL_NAMES = (
     "specsplit-lookahead", "specsplit-lookahead-compiled", "specsplit-lookahead-always-compiled",
     "specsplit-heads", "specsplit-heads-always-compiled", "specsplit-heads-lookahead-always-compiled",
     "specsplit-eagle-always", "specsplit-eagle-always-compiled", "specsplit-eagle-lookahead-always-compiled",
+    "specsplit-eagle-always-adaptive-compiled", "specsplit-eagle-lookahead-always-adaptive-compiled",
     "specsplit-auto-lookahead-compiled", "specsplit-auto-chain", "specsplit-auto-chain-compiled",
     "specsplit-auto-chain-lookahead-compiled", "specsplit-auto-chain-lookahead-always-compiled",
     "specsplit-chain-frspec", "specsplit-dynamic-frspec", "specsplit-auto-frspec", "specsplit-dynamic-frspec-compiled",
@@ -735,6 +736,7 @@ def test_decoder_table_covers_every_name_and_its_labels_match_its_fields() -> No
         assert ("in every n-gram round" in label) == always == ("-always" in name), name
         assert ("draft heads" in label) == (bool(spec.heads) and not spec.eagle) == ("-heads" in name), name
         assert ("EAGLE head" in label) == spec.eagle == ("-eagle" in name), name
+        assert ("grown where it pays" in label) == (spec.guesses == "adaptive") == ("-adaptive" in name), name
         model_tree = (
             "dynamic" if spec.drafter in ("hybrid", "auto") else "chain"
         )  # drafters: the dynamic tree
@@ -1055,3 +1057,17 @@ def test_eagle_decoders_run_an_eagle_head_on_their_own_copy(tmp_path) -> None:
     finally:
         for d in decs:
             d.close()
+
+
+def test_the_adaptive_eagle_decoders_grow_guesses_where_they_pay() -> None:
+    from specsplit.bench.decoders import DECODERS, _ngram_settings
+
+    opts = BuildOptions(k=3)
+    for name in (
+        "specsplit-eagle-always-adaptive-compiled",
+        "specsplit-eagle-lookahead-always-adaptive-compiled",
+    ):
+        assert _ngram_settings(opts, DECODERS[name]).guess_policy == "adaptive", name
+    assert (
+        _ngram_settings(opts, DECODERS["specsplit-eagle-lookahead-always-compiled"]).guess_policy == "always"
+    )

@@ -76,14 +76,14 @@ def _eagle_dir(model, tmp_path, seed=0, subset=None, **kw):
     return save_eagle(layer, vocab.sort().values, info, tmp_path / f"eagle{seed}-{subset}")
 
 
-def _config(path, graphs=True, window=0, nodes=8) -> SpecSplitConfig:
+def _config(path, graphs=True, window=0, nodes=8, **ngram_kw) -> SpecSplitConfig:
     target = TargetConfig(
         cuda_graphs=graphs,
         draft_heads=str(path),
         draft_heads_nodes=nodes,
         tuning=EngineTuning(graph_capacity=512),
     )
-    ngram = NgramConfig(lookahead=window, lookahead_policy="always")
+    ngram = NgramConfig(lookahead=window, lookahead_policy="always", **ngram_kw)
     return SpecSplitConfig(drafter="ngram", tuning=PipelineTuning(ngram=ngram), target=target)
 
 
@@ -289,6 +289,54 @@ def test_every_round_ingests_exactly_the_committed_positions(tmp_path):
         assert torch.allclose(head.drafter.v[:, :, :t], fresh.v[:, :, :t], atol=1e-5)
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["one-graph", "eager"])
+def test_rounds_that_grow_no_guesses_still_feed_the_heads_cache(tmp_path, monkeypatch, graphs):
+    """Under ``guess_policy="adaptive"`` with guesses priced above anything they add, most rounds
+    grow none: those rounds only write the committed positions into the head's cache, so the
+    output stays HF's and the cache holds what one ingest of the whole text writes (guesses asked for
+    again, on the probes, see every position)."""
+    model = tiny_llama(3)
+    path = _eagle_dir(model, tmp_path)
+    ids = torch.tensor([PROMPT])
+    ref = model.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    cfg = _config(path, window=3, guess_policy="adaptive", guess_cost_tokens=1e9)
+    calls = {"grow": 0, "ingest": 0}
+    with SpecSplitGenerator(copy.deepcopy(model), None, config=cfg) as gen:
+        head = gen.target_engine.heads
+        assert isinstance(head, TargetEagle)
+        if not graphs:  # every round on the eager path (its own ingest and growth)
+            monkeypatch.setattr(gen.target_engine.config.tuning, "graph_rounds", False)
+        grow, ingest = head.round_guesses, head.round_ingest
+        eager = head.eager_guesses
+
+        def counted_grow(*a):
+            calls["grow"] += 1
+            return grow(*a)
+
+        def counted_ingest(*a):
+            calls["ingest"] += 1
+            return ingest(*a)
+
+        def counted_eager(*a, grow=True):
+            calls["grow" if grow else "ingest"] += 1
+            return eager(*a, grow=grow)
+
+        monkeypatch.setattr(head, "round_guesses", counted_grow)
+        monkeypatch.setattr(head, "round_ingest", counted_ingest)
+        monkeypatch.setattr(head, "eager_guesses", counted_eager)
+        out = gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
+        assert calls["ingest"] > calls["grow"] >= 2, calls  # mostly ingest-only, probes still grow
+        seq = out.sequences[0].tolist()
+        t = len(seq) - 1
+        fresh = _drafter(model, head.drafter.layer, capacity=512)
+        with torch.no_grad():
+            fresh.ingest_rows(_features(model, seq[:t]), torch.tensor(seq[1:]), torch.zeros((), dtype=torch.long),
+                              torch.tensor(t))  # fmt: skip
+        assert torch.allclose(head.drafter.k[:, :, :t], fresh.k[:, :, :t], atol=1e-5)
+        assert torch.allclose(head.drafter.v[:, :, :t], fresh.v[:, :, :t], atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [0, 3], ids=["eagle", "eagle-lookahead"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_generation_with_an_eagle_head_equals_hf_greedy(tmp_path, make, window):
@@ -451,6 +499,14 @@ def test_a_time_budget_shrinks_the_planned_steps_to_what_fits():
     assert plan.total == 40 and plan.lr_at(39) < 0.01  # the cosine now ends at the new last step
     plan.after_epoch(40, 12.0)  # over budget: stop here
     assert plan.total == 40
+    # the first epoch also caches the target's features: the later, faster epochs win steps back
+    slow_start = _Schedule(100, budget_s=10.0)
+    slow_start.after_epoch(10, 6.0)  # 0.6 s a step: 6 more fit
+    assert slow_start.total == 16
+    slow_start.after_epoch(16, 6.6)  # 0.1 s a step now: 34 more fit
+    assert slow_start.total == 50
+    slow_start.after_epoch(50, 7.0)  # faster still, but never past the plan
+    assert slow_start.total == 100
     free = _Schedule(100, budget_s=0.0)
     free.after_epoch(20, 5.0)
     assert free.total == 100

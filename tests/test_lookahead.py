@@ -77,7 +77,7 @@ def test_the_pool_keeps_the_newest_ngrams_per_first_token():
 def test_lookahead_tree_puts_the_window_after_the_proposal_and_pads():
     w = LookaheadWindow(width=2, levels=2, pool_size=2, seed_tokens=[1, 2, 3, 4])
     proposal = Proposal([9, 8], [-1, 0], [1, 2], [0.9, 0.5])
-    tree, offset = lookahead_tree(proposal, w, size=8, depth_bound=4, fixed_bounds=True)
+    tree, offset, _ = lookahead_tree(proposal, w, size=8, depth_bound=4, fixed_bounds=True)
     assert offset == 2
     assert tree.token_ids.tolist()[:6] == [9, 8, 1, 2, 3, 4]
     assert tree.parents.tolist() == [-1, 0, -1, 2, 2, 3, -1, -1]  # window parents shifted; padding roots
@@ -98,15 +98,24 @@ def test_guesses_merge_into_the_ngram_nodes_as_a_trie():
     tokens, parents, depths = merge_guesses(proposal.top(2), *vars(guesses).values())
     assert (tokens, parents, depths) == ([9, 8, 5, 4, 3], [-1, 0, 0, 2, -1], [1, 2, 2, 3, 1])
     w = LookaheadWindow(width=2, levels=1, pool_size=2, seed_tokens=[1, 2])
-    tree, offset = lookahead_tree(proposal, w, size=9, depth_bound=4, fixed_bounds=True, guesses=guesses)
+    tree, offset, guess_from = lookahead_tree(
+        proposal, w, size=9, depth_bound=4, fixed_bounds=True, guesses=guesses
+    )
     # 9 - 2 window nodes - 4 guesses = 3 n-gram nodes, +1 for the shared 9: all 4 n-gram nodes fit
-    assert offset == 7
+    assert offset == 7 and guess_from == 4  # 5, 4 and 3 are the guesses' own nodes
     assert tree.token_ids.tolist() == [9, 8, 7, 6, 5, 4, 3, 1, 2]
     assert tree.parents.tolist() == [-1, 0, -1, 2, 0, 4, -1, -1, 7]
     assert tree.depths.tolist() == [1, 2, 1, 2, 2, 3, 1, 1, 2]
     tree.validate(1000, 9, 9)
-    tree, offset = lookahead_tree(proposal, None, size=6, depth_bound=4, fixed_bounds=False, guesses=guesses)
-    assert offset == -1 and tree.num_nodes == 6 and tree.token_ids.tolist() == [9, 8, 7, 5, 4, 3]
+    tree, offset, guess_from = lookahead_tree(
+        proposal, None, size=6, depth_bound=4, fixed_bounds=False, guesses=guesses
+    )
+    assert (
+        offset == -1
+        and guess_from == 3
+        and tree.num_nodes == 6
+        and tree.token_ids.tolist() == [9, 8, 7, 5, 4, 3]
+    )
     assert tree.bounds() == (3, 3)  # three roots (9, 7, 3) below the next token; depth 3
     tree.validate(1000, 6, 6)
 

@@ -230,7 +230,7 @@ def empirical_joint_ngram(
     for _ in range(runs):
         tree, offset = extra, -1
         if lookahead:
-            tree, offset = lookahead_tree(prop, window, 12, depth_bound=2, fixed_bounds=False)
+            tree, offset, _ = lookahead_tree(prop, window, 12, depth_bound=2, fixed_bounds=False)
         if merged:
             tree = merge_trees(
                 grow_static_tree(q_logits[()], plan, pt, SAMPLING, V, g,

@@ -43,6 +43,7 @@ _CHOICES: dict[str, tuple[object, ...]] = {
     "drafter": DRAFTERS,
     "lookahead": ("", "adaptive", "always"),
     "heads": ("", "adaptive", "always"),
+    "guesses": ("always", "adaptive"),
 }
 
 
@@ -88,6 +89,8 @@ class DecoderSpec:
         heads: the target runs the run's ``--draft-heads`` and n-gram rounds carry their guesses
             (fixed rounds) under the ``"adaptive"`` or ``"always"`` policy; ``""``: no heads.
         eagle: those heads are the run's ``--eagle-heads`` (an EAGLE head) instead.
+        guesses: which rounds grow the heads' guesses (``NgramConfig.guess_policy``): ``"always"``,
+            or ``"adaptive"`` (where they have added tokens worth their cost).
     """
 
     name: str
@@ -111,6 +114,7 @@ class DecoderSpec:
     lookahead: str = ""
     heads: str = ""
     eagle: bool = False
+    guesses: str = "always"
 
     def __post_init__(self) -> None:
         for field_name, allowed in _CHOICES.items():
@@ -255,6 +259,15 @@ _TABLE = (
     DecoderSpec("specsplit-eagle-lookahead-always-compiled",
                 f"{_NGRAM}, {_EAGLE} and a lookahead window of {{lookahead}} {_ALWAYS}, {_COMPILED}",
                 drafter="ngram", heads="always", lookahead="always", eagle=True, compile=True),
+    # ... growing its tree only in rounds where it has added tokens worth its cost (GuessPolicy)
+    DecoderSpec("specsplit-eagle-always-adaptive-compiled",
+                f"{_NGRAM}, {_EAGLE} {_ALWAYS}, grown where it pays, {_COMPILED}",
+                drafter="ngram", heads="always", eagle=True, compile=True, guesses="adaptive"),
+    DecoderSpec("specsplit-eagle-lookahead-always-adaptive-compiled",
+                f"{_NGRAM}, {_EAGLE} and a lookahead window of {{lookahead}} {_ALWAYS}, grown where it "
+                f"pays, {_COMPILED}",
+                drafter="ngram", heads="always", lookahead="always", eagle=True, compile=True,
+                guesses="adaptive"),
     # auto with lookahead, the dynamic tree as the model's
     DecoderSpec("specsplit-auto-lookahead-compiled", f"{_AUTO}, {_LOOKAHEAD}, {_COMPILED}", tree="dynamic",
                 drafter="auto", lookahead="adaptive", compile=True),

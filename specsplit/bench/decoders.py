@@ -311,6 +311,8 @@ def _ngram_settings(opts: BuildOptions, spec: DecoderSpec) -> NgramConfig:
     """The run's n-gram settings, with the spec's lookahead window (the run's width) or none."""
     ngram = opts.pipeline.ngram
     width, levels, nodes = opts.lookahead
+    if spec.heads:
+        ngram = dataclasses.replace(ngram, guess_policy=spec.guesses)
     if not spec.lookahead:  # fixed rounds for the heads' guesses only, beside as many n-gram nodes
         policy = spec.heads or ngram.lookahead_policy
         return dataclasses.replace(ngram, lookahead=0, lookahead_nodes=nodes, lookahead_policy=policy)

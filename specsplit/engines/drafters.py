@@ -43,7 +43,7 @@ from specsplit.config import DEFAULT_LOOKAHEAD, NgramConfig
 from specsplit.core.lookahead import LookaheadWindow
 from specsplit.core.ngram import NgramIndex, Proposal, Scoring, SuffixCache, propose_from
 from specsplit.core.tree import TokenTree
-from specsplit.engines.ab_policy import OverlapPolicy
+from specsplit.engines.ab_policy import GrowthCost, GuessPolicy, OverlapPolicy
 from specsplit.messages import HeadGuesses
 
 # Node counts an n-gram tree is padded to for a target on the CUDA-graph path (one graph each, and one
@@ -105,6 +105,7 @@ class NgramDrafter:
         # Lookahead rounds against the planner's, measured like overlap's speculation: kept across
         # generations, greedy and sampling apart (their rounds commit differently).
         self._lookahead: dict[bool, OverlapPolicy] = {}
+        self._growth: dict[bool, GrowthCost] = {}  # what growing draft-head guesses costs a round
 
     def lookahead_policy(self, do_sample: bool) -> OverlapPolicy:
         """Whether this round is a lookahead round (``speculate()``), and the rounds' record."""
@@ -114,6 +115,15 @@ class NgramDrafter:
                 always = self.settings.lookahead_policy == "always"
                 policy = self._lookahead[do_sample] = OverlapPolicy(always=always, probe=8)
             return policy
+
+    def guess_policy(self, do_sample: bool) -> GuessPolicy:
+        """A generation's choice of the rounds that grow the target's draft-head guesses
+        (:class:`GuessPolicy`; ``NgramConfig.guess_policy`` ``"always"``: every round), timing the
+        growth in a :class:`GrowthCost` kept across generations, greedy and sampling apart."""
+        with self._lock:
+            timing = self._growth.setdefault(do_sample, GrowthCost())
+        s = self.settings
+        return GuessPolicy(always=s.guess_policy == "always", cost_tokens=s.guess_cost_tokens, timing=timing)
 
     def lookahead_width(self, mode: str = "ngram") -> int:
         """Guesses a row of the lookahead windows of this drafter's ``mode`` generations holds (0:
@@ -239,7 +249,7 @@ def lookahead_tree(
     depth_bound: int,
     fixed_bounds: bool,
     guesses: HeadGuesses | None = None,
-) -> tuple[TokenTree, int]:
+) -> tuple[TokenTree, int, int]:
     """A fixed-size round's tree: the proposal's best nodes, the target's draft-head guesses, the
     lookahead window's nodes, padding up to ``size``.
 
@@ -251,7 +261,9 @@ def lookahead_tree(
         guesses: the draft heads' nodes from the last verification (:class:`HeadGuesses`), or None.
 
     Returns:
-        ``(tree, offset)``: ``offset`` is the index of the window's first node (-1: no window).
+        ``(tree, offset, guess_from)``: ``offset`` is the index of the window's first node (-1: no
+        window); the nodes from ``guess_from`` up to the window's (or the padding's) are the guesses'
+        own (the ones no n-gram node shares).
     """
     g_tokens, g_parents, g_depths = (
         (guesses.token_ids, guesses.parents, guesses.depths) if guesses else ([], [], [])
@@ -266,7 +278,7 @@ def lookahead_tree(
         while len(tokens) > free:  # the larger proposal shared fewer prefixes: drop its last n-grams
             top = proposal.top(top.num_nodes - (len(tokens) - free))
             tokens, parents, depths = merge_guesses(top, g_tokens, g_parents, g_depths)
-    w_off = len(tokens)
+    w_off, guess_from = len(tokens), top.num_nodes
     pad = size - w_off - len(w_tokens)
     filler = (w_tokens or tokens or [0])[0]
     tokens = tokens + w_tokens + [filler] * pad
@@ -278,7 +290,7 @@ def lookahead_tree(
     if window is not None:
         branch, deepest = max(branch, 2), max(deepest, window.depth)
     tree = _host_tree(tokens, parents, depths, branch, deepest, depth_bound, fixed_bounds)
-    return tree, (w_off if window is not None else -1)
+    return tree, (w_off if window is not None else -1), guess_from
 
 
 def merge_guesses(

@@ -46,6 +46,9 @@ class KVCacheState:
     static: bool = False  # the cache is the engine's static workspace (CUDA-graph path)
     pv: PartialSession | None = None  # SpecPV state (None when SpecPV is off or not used yet)
     processors: TreeProcessors | None = None  # the generation's HF logits processors, if any
+    # asked for draft-head guesses: a head with a cache of its own then ingests every round's commit,
+    # including rounds that grow no guesses (Guesser.keeps_state)
+    follows_head: bool = False
 
     @property
     def seq_len(self) -> int:

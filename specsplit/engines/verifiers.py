@@ -224,6 +224,8 @@ class FullVerifier:
         max_branch, max_depth = tree.bounds()
         cache.ensure_capacity(length + p + n)
         proc = state.processors
+        state.follows_head = state.follows_head or guesses
+        ingest = state.follows_head and eng.heads is not None and eng.heads.keeps_state
         if (
             state.static
             and p == 1
@@ -233,7 +235,9 @@ class FullVerifier:
             and (proc is None or proc.graph_key is not None)
             and not any(returns)
         ):
-            return self._one_graph(cache, tree, pending, max_branch, max_depth, stats, proc, choices, guesses)
+            return self._one_graph(
+                cache, tree, pending, max_branch, max_depth, stats, proc, choices, guesses, ingest
+            )
         # Per-depth processors group rows on the host (for a device tree, a read of its depths).
         host_depths = tree.depths.tolist() if proc is not None and proc.needs_depths else []
         tree = tree.to(eng.device)
@@ -271,6 +275,9 @@ class FullVerifier:
             guessed = eng.heads.eager_guesses(pending, n, nodes, tokens, next_token, length, state.static)
             if guessed is not None:
                 result.guesses = HeadGuesses(*eng.heads.nodes(guessed.tolist()))
+        elif ingest:  # no guesses this round, but the head's cache takes the commit
+            assert eng.heads is not None
+            eng.heads.eager_guesses(pending, n, nodes, tokens, next_token, length, state.static, grow=False)
         if any(returns):
             rows = h2d(torch.tensor([0] + [i + 1 for i in nodes], dtype=torch.long), scores.device)
             if returns[0]:
@@ -291,6 +298,7 @@ class FullVerifier:
         proc: TreeProcessors | None = None,
         choices: bool = False,
         guesses: bool = False,
+        ingest: bool = False,
     ) -> VerifyResult:
         """A greedy round (mask, forward, processors with a graph key, acceptance, KV commit)
         replayed as one graph (``TargetConfig.graph_rounds``); the same tensor functions as the
@@ -304,11 +312,21 @@ class FullVerifier:
                 f"a verify round needs {end} slots; the workspace holds {static.capacity}"
             )
         bucket = kv_bucket(end, static.capacity)
-        heads = eng.heads if guesses else None
-        key = (n, max_depth, max_branch, bucket, None if proc is None else proc.graph_key, heads is not None)
+        # a head with a cache of its own ingests the commit in every round, growing guesses or not
+        heads = eng.heads if guesses or ingest else None
+        grow = guesses and heads is not None
+        key = (
+            n,
+            max_depth,
+            max_branch,
+            bucket,
+            None if proc is None else proc.graph_key,
+            heads is not None,
+            grow,
+        )
         t = time.perf_counter()
         rnd = eng._round_graph(
-            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, bucket, proc, heads)
+            key, lambda: self._build_round(static, cache, n, max_depth, max_branch, bucket, proc, heads, grow)
         )
         forwards = eng.runner.forward_count
         device_args: tuple[torch.Tensor, ...] = ()
@@ -333,7 +351,8 @@ class FullVerifier:
         stats.forwards += 1
         result = _result(tokens, next_token, nodes, length + 1 + m, max_depth, n)
         result.choices = outcome.choices_host
-        if heads is not None:
+        if grow:
+            assert heads is not None
             result.guesses = HeadGuesses(*heads.nodes(outcome.extra_host))
         return result
 
@@ -347,6 +366,7 @@ class FullVerifier:
         bucket: int,
         proc: TreeProcessors | None = None,
         heads: Guesser | None = None,
+        grow: bool = True,
     ) -> GraphedRound:
         buf = static.new_buffers(1 + n, bucket)
         dev = self.engine.device
@@ -379,7 +399,10 @@ class FullVerifier:
                 # row i decided token i + 1: the accepted tokens, then (at the last real row) the next one
                 decided = torch.cat([tok.index_select(0, path), nxt]) if max_depth else nxt
                 decided = torch.where(steps_all == outcome.num_accepted, nxt, decided)
-                guesses = heads.round_guesses(rows, decided, outcome.num_accepted + 1, ctx)
+                if grow:
+                    guesses = heads.round_guesses(rows, decided, outcome.num_accepted + 1, ctx)
+                else:  # the head's cache still takes the committed positions
+                    heads.round_ingest(rows, decided, outcome.num_accepted + 1, ctx)
             return outcome.path, outcome.num_accepted, outcome.next_token, outcome.choice, guesses
 
         empty = torch.zeros(n, dtype=torch.long, device=dev)

@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from specsplit.core.sampling import SamplingParams
 from specsplit.core.tree import TokenTree
+from specsplit.engines.ab_policy import GuessPolicy
 from specsplit.engines.cost_model import CostModel, RoundPlan
 from specsplit.engines.drafters import (
     TREE_SIZES,
@@ -183,6 +184,14 @@ class _Generation:
         self.guess_nodes = 0  # nodes they take in a fixed round (0: the target has no heads)
         # n-gram modes verify them in their fixed rounds; hybrid keeps the model's rounds
         self.wants_guesses = self.ngram is not None and self.mode != "hybrid"
+        self.guess_policy: GuessPolicy | None = None  # which rounds grow them (the first ones do)
+        if self.wants_guesses and self.ngram is not None:
+            self.guess_policy = self.ngram.drafter.guess_policy(params.sampling.do_sample)
+        self.grow = True  # this round grows guesses for the next one
+        self.grown_in: int | None = None  # the context this round's guesses were grown in (None: none)
+        self.run_context = 0  # how far the last round's nodes other than guesses reached (a context)
+        self.guess_from = -1  # this round's first guess-only node (-1: no guesses in its tree)
+        self.grow_context = 0  # the context this round decided to grow in
         if self.ngram is not None and self.ngram.window is not None:
             self._size_fixed_rounds()
         self.capacity = (
@@ -210,7 +219,10 @@ class _Generation:
     def draft(self, remaining: int) -> tuple[TokenTree, DraftResult | None]:
         """This round's tree: as planned (a model draft, an n-gram tree, both merged, or none: a
         plain target step), or the one drafted speculatively if it held."""
-        self.window_offset = -1
+        self.window_offset = self.guess_from = -1
+        # whether this round grows guesses for the next one, in the context the last round left
+        policy, self.grow_context = self.guess_policy, self.run_context
+        self.grow = policy is None or not self.guess_nodes or policy.grow(self.run_context)
         if remaining <= 1 or not (self.use_draft or self.ngram is not None):
             self.plan = RoundPlan(False, 0)
             return TokenTree.empty(), None
@@ -260,7 +272,7 @@ class _Generation:
         assert self.ngram is not None
         proposal = self.ngram.propose(lookahead=True)
         s = self.ngram.drafter.settings
-        tree, self.window_offset = lookahead_tree(
+        tree, self.window_offset, guess_from = lookahead_tree(
             proposal,
             self.ngram.window,
             self.lookahead_size,
@@ -270,6 +282,8 @@ class _Generation:
         )
         self.plan = RoundPlan(False, self.lookahead_size, lookahead=True, heads=self.guesses is not None)
         self.ngram_scores, self.ngram_offset = [], 0
+        if self.guesses is not None:
+            self.guess_from = guess_from
         return tree
 
     def _model_draft(self, remaining: int) -> DraftResult | None:
@@ -306,7 +320,7 @@ class _Generation:
         vreq = VerifyRequest(
             self.sid, tree, self.pending, self.target_prefix, p.sampling, self.seeds[1], self.capacity,
             p.processing, p.return_scores, p.return_logits, return_choices=self.window_offset >= 0,
-            return_guesses=self.wants_guesses,
+            return_guesses=self.wants_guesses and self.grow,
         )  # fmt: skip
         spec, spec_s = None, 0.0
         if (
@@ -351,6 +365,7 @@ class _Generation:
             self.ngram.extend(kept)
             if self.window_offset >= 0:
                 self._learn(vres)
+            self._weigh_guesses(vres)
             self._take_guesses(vres)
         self.target_prefix, self.pending = vres.prefix_length, [vres.next_token_id]
         hit = None
@@ -365,6 +380,21 @@ class _Generation:
         else:
             self.draft_new = self.draft_new + new
         return kept, stopped, hit
+
+    def _weigh_guesses(self, vres: VerifyResult) -> None:
+        """What this round's guesses added (to the context they were grown in), and how far its
+        other nodes reached alone (the next round's context)."""
+        if self.guess_policy is None:
+            return
+        path = vres.accepted_node_indices
+        run = len(path)
+        if self.guess_from >= 0:  # guess-only nodes: from guess_from up to the window's first node
+            end = self.window_offset if self.window_offset >= 0 else vres.num_nodes
+            run = next((i for i, node in enumerate(path) if self.guess_from <= node < end), len(path))
+            if self.grown_in is not None:  # the guesses the last round grew
+                self.guess_policy.record_gain(self.grown_in, len(path) - run)
+        self.grown_in = self.grow_context if self.grow else None
+        self.run_context = self.guess_policy.context(run)
 
     def _take_guesses(self, vres: VerifyResult) -> None:
         """The target's draft-head guesses for the next round; the first ones turn fixed rounds on
@@ -408,6 +438,14 @@ class _Generation:
         if self.lookahead is not None and self.lookahead_size and self.pending_len == 1:
             # (a prompt's round would time the prompt's forward)
             self.lookahead.record(t3 - t0, len(kept))
+        if (
+            self.guess_policy is not None
+            and self.guess_nodes
+            and self.plan.lookahead
+            and self.pending_len == 1
+        ):
+            # fixed rounds, one size: with and without growing guesses they differ by the growth alone
+            self.guess_policy.record_round(self.grow, t3 - t0, len(kept))
         server = (dres.stats.busy_s if dres else 0.0) + vres.stats.busy_s
         # A tree keeps its usual depth near max_new_tokens: drafted and accepted tokens past the
         # end do not count (the same statistics as a draft cut to the tokens still wanted).

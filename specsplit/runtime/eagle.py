@@ -385,6 +385,12 @@ class EagleDrafter:
         x, q, pos = self._write(feats, tokens, ctx, count)
         return self._attend_out(x, q, pos)
 
+    def write(
+        self, feats: torch.Tensor, tokens: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor
+    ) -> None:
+        """:meth:`ingest`'s cache writes alone (a round that grows no tree); device ops only."""
+        self._write(feats, tokens, ctx, count)
+
     def _write(
         self, feats: torch.Tensor, tokens: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -609,6 +615,7 @@ class TargetEagle:
     """
 
     needs_static = True  # the cache follows the static workspace's session
+    keeps_state = True  # every committed position must reach the head's cache, guesses or not
 
     def __init__(
         self, model: Any, path: str | Path, info: Any, nodes: int, capacity: int, max_depth: int,
@@ -632,9 +639,11 @@ class TargetEagle:
             self.max_ingest,
         )  # fmt: skip
         self._round_fn: Any = self._round
+        self._ingest_fn: Any = self._ingest
         self.compiled = compile
         if compile:
             self._round_fn = torch.compile(self._round, dynamic=False)
+            self._ingest_fn = torch.compile(self._ingest, dynamic=False)
         logger.info(
             "EAGLE draft head from %s: %d guess nodes a round (top-%d, %d wide, %d deep), %d scored tokens",
             path, self.num_nodes, cfg.topk, cfg.width, cfg.depth, vocab.numel(),
@@ -647,13 +656,13 @@ class TargetEagle:
         h = self.drafter.ingest(feats, decided, ctx, count)
         return self.drafter.grow(h, ctx + count, self.num_nodes)
 
-    def round_guesses(
+    def _ingest(
         self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
-    ) -> torch.Tensor:
-        """A one-graph round's guesses (device ops only): ``rows`` `[M]` the tap rows of the
-        committed positions (the pending token's row, then each accepted node's), ``decided``
-        `[M]` the token each decided, ``count`` `[]` how many are real, ``ctx`` `[]` the pending
-        token's position."""
+    ) -> None:
+        feats = self.tap.rows.index_select(0, rows)
+        self.drafter.write(feats, decided, ctx, count)
+
+    def _padded(self, rows: torch.Tensor, decided: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = rows.shape[0]
         # Every round pads to the same rows, so a compiled head has one variant, compiled in the
         # first round that asks for guesses (a variant per depth would compile mid-generation).
@@ -661,17 +670,36 @@ class TargetEagle:
         if size > m:
             rows = torch.cat([rows, rows.new_zeros(size - m)])
             decided = torch.cat([decided, decided.new_zeros(size - m)])
+        return rows, decided
+
+    def round_guesses(
+        self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
+    ) -> torch.Tensor:
+        """A one-graph round's guesses (device ops only): ``rows`` `[M]` the tap rows of the
+        committed positions (the pending token's row, then each accepted node's), ``decided``
+        `[M]` the token each decided, ``count`` `[]` how many are real, ``ctx`` `[]` the pending
+        token's position."""
+        rows, decided = self._padded(rows, decided)
         out: torch.Tensor = self._round_fn(rows, decided, count, ctx)
         return out
 
+    def round_ingest(
+        self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
+    ) -> None:
+        """A one-graph round that asks for no guesses: the committed positions' keys and values
+        into the head's cache (what :meth:`round_guesses` writes), without growing a tree."""
+        rows, decided = self._padded(rows, decided)
+        self._ingest_fn(rows, decided, count, ctx)
+
     def eager_guesses(
         self, pending: list[int], tree_nodes: int, nodes: list[int], tokens: list[int], next_token: int,
-        length: int, static: bool,
+        length: int, static: bool, grow: bool = True,
     ) -> torch.Tensor | None:  # fmt: skip
         """An eager round's guesses (device tensor; the caller reads it): the round's forward held
         ``pending`` then a tree of ``tree_nodes`` (the tap's rows in that order), from position
         ``length``; it accepted ``nodes`` (``tokens``) and decided ``next_token``. None where this
-        head cannot follow the session (not the static workspace's, or a forward the tap did not keep)."""
+        head cannot follow the session (not the static workspace's, or a forward the tap did not keep),
+        and without ``grow`` (the committed positions only reach the head's cache)."""
         p = len(pending)
         rows = list(range(p)) + [p + i for i in nodes]
         kept = p + tree_nodes <= self.tap.rows.shape[0]
@@ -681,6 +709,9 @@ class TargetEagle:
         decided = pending[1:] + tokens + [next_token]
         ids = h2d(torch.tensor(rows + decided + [length, len(rows)], dtype=torch.long), dev)
         m = len(rows)
+        if not grow:
+            self._ingest(ids[:m], ids[m : 2 * m], ids[2 * m + 1], ids[2 * m])
+            return None
         out: torch.Tensor = self._round(ids[:m], ids[m : 2 * m], ids[2 * m + 1], ids[2 * m])
         return out
 

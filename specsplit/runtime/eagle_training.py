@@ -108,11 +108,15 @@ class EagleReport:
 
 class _Schedule:
     """Linear warm-up over 5% of the steps, then cosine decay; with a time budget, the planned steps
-    shrink after each epoch to what the measured pace fits in it (the decay then ends in time)."""
+    are re-fitted after each epoch to what the last epoch's pace fits in it (the decay then ends in
+    time). The last epoch's pace, not the average: the first epoch also computes and caches the
+    target's features, so its steps are slower than the later ones, and a later epoch may give back
+    steps the first one took away (never more than planned)."""
 
     def __init__(self, total: int, budget_s: float):
-        self.total, self.budget_s = total, budget_s
+        self.total, self.planned, self.budget_s = total, total, budget_s
         self.warm = max(1, total // 20)
+        self._mark = (0, 0.0)  # (steps, seconds) at the end of the last epoch
 
     def lr_at(self, step: int) -> float:
         if step < self.warm:
@@ -122,11 +126,16 @@ class _Schedule:
     def after_epoch(self, step: int, elapsed_s: float) -> None:
         if self.budget_s <= 0 or step == 0:
             return
-        fits = step + int((self.budget_s - elapsed_s) / (elapsed_s / step))
-        if fits < self.total:
-            logger.info("time budget: %d of the planned %d steps fit in %.0f s", max(fits, step), self.total,
+        last_step, last_s = self._mark
+        self._mark = (step, elapsed_s)
+        if step == last_step:
+            return
+        pace = (elapsed_s - last_s) / (step - last_step)
+        fits = max(step, min(self.planned, step + int((self.budget_s - elapsed_s) / pace)))
+        if fits != self.total:
+            logger.info("time budget: %d of the planned %d steps fit in %.0f s", fits, self.planned,
                         self.budget_s)  # fmt: skip
-            self.total = max(fits, step)
+            self.total = fits
 
 
 def _autocast(dev: torch.device) -> Any:

@@ -395,15 +395,22 @@ class Guesser(Protocol):
     :class:`~specsplit.runtime.eagle.TargetEagle`): guesses after a round's next token, as a tree."""
 
     needs_static: bool  # guesses only for the session holding the static workspace
+    # a cache of its own that must see every committed position, so a round that asks for no guesses
+    # still ingests them (``round_ingest`` / ``eager_guesses(grow=False)``)
+    keeps_state: bool
     num_nodes: int
 
     def round_guesses(
         self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
     ) -> torch.Tensor: ...
 
+    def round_ingest(
+        self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
+    ) -> None: ...
+
     def eager_guesses(
         self, pending: list[int], tree_nodes: int, nodes: list[int], tokens: list[int], next_token: int,
-        length: int, static: bool,
+        length: int, static: bool, grow: bool = True,
     ) -> torch.Tensor | None: ...  # fmt: skip
 
     def nodes(self, guesses: list[int]) -> tuple[list[int], list[int], list[int]]: ...
@@ -459,6 +466,7 @@ class TargetHeads:
         )
 
     needs_static = False  # the heads read one row of the round's forward, whatever the session
+    keeps_state = False  # nothing to ingest: a round without guesses skips the heads
 
     def round_guesses(
         self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
@@ -469,12 +477,20 @@ class TargetHeads:
         last = (count - 1).clamp_min(0).view(1)
         return self.guesses(rows.index_select(0, last), decided.index_select(0, last))
 
+    def round_ingest(
+        self, rows: torch.Tensor, decided: torch.Tensor, count: torch.Tensor, ctx: torch.Tensor
+    ) -> None:
+        """Nothing: the heads keep no state between rounds."""
+
     def eager_guesses(
         self, pending: list[int], tree_nodes: int, nodes: list[int], tokens: list[int], next_token: int,
-        length: int, static: bool,
+        length: int, static: bool, grow: bool = True,
     ) -> torch.Tensor | None:  # fmt: skip
         """An eager round's guesses (a device tensor the caller reads) from the logits row that
-        decided ``next_token``: the last accepted node's, else the last pending token's (row 0)."""
+        decided ``next_token``: the last accepted node's, else the last pending token's (row 0).
+        None without ``grow``."""
+        if not grow:
+            return None
         at = h2d(
             torch.tensor([nodes[-1] + 1 if nodes else 0, next_token], dtype=torch.long), self.tap.rows.device
         )
