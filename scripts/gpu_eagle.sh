@@ -7,7 +7,8 @@
 #   2. beside the training, the GPU tests of draft heads (Medusa's and EAGLE's, graphs and compiled;
 #      GPU_TESTS=0 skips them);
 #   3. `specsplit bench`: target-only, n-gram + lookahead (the default mode), and the EAGLE head with
-#      and without the window, compiled, in one run (DECODERS overrides the list);
+#      and without the window (with the window also under guess_policy="adaptive"), compiled, in one
+#      run (DECODERS overrides the list);
 #   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run;
 #   HOME_PIECES=1 / HEAD_PIECES=DIR: the trained head in pieces to bring home, and restored from them;
 #   CHATS_FILE: chats written by an earlier lease (`.jsonl` or `.jsonl.gz`), so none are generated;
@@ -62,7 +63,7 @@ if [ -n "${HOME_PIECES:-}" ] && [ -f "$EAGLE/heads.json" ]; then
   note "eagle head in pieces: $(ls "$OUT/home" | tr '\n' ' ')"
 fi
 heads_flags=()
-decoders="${DECODERS:-specsplit-target-only-compiled,specsplit-lookahead-always-compiled,specsplit-eagle-lookahead-always-compiled,specsplit-eagle-always-compiled}"
+decoders="${DECODERS:-specsplit-target-only-compiled,specsplit-lookahead-always-compiled,specsplit-eagle-lookahead-always-compiled,specsplit-eagle-lookahead-always-adaptive-compiled,specsplit-eagle-always-compiled}"
 if [ -n "${MEDUSA_DIR:-}" ]; then
   if [ ! -f "$MEDUSA_DIR/heads.json" ]; then
     python3 -m specsplit.cli -v heads train --target "$TARGET" --out "$MEDUSA_DIR" --chats "$CHATS_FILE" \

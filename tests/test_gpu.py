@@ -840,14 +840,18 @@ def test_batched_greedy_round_reads_the_host_once(llama_target, monkeypatch):
     assert reads["n"] == 2
 
 
+@pytest.mark.parametrize("policy", ["always", "adaptive"])
 @pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
 @pytest.mark.parametrize("window", [0, 4], ids=["heads", "heads-lookahead"])
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, window, kind, outcome_reads):
+def test_draft_heads_on_cuda_graphs_exact(
+    llama_target, tmp_path, compile, window, kind, policy, outcome_reads
+):
     """A target with draft heads (Medusa's, or an EAGLE head growing its tree inside the round) on
     one-graph rounds (plain and compiled; beside a lookahead window or not): HF greedy's tokens, the
     heads' guesses in the rounds, and still one device read a steady-state round (the guesses ride
-    on the outcome's copy)."""
+    on the outcome's copy). ``adaptive``: guesses priced above anything they add, so most rounds
+    grow none (an EAGLE head's ingest-only rounds, a graph of their own) between probes."""
     import copy
 
     from specsplit.config import NgramConfig
@@ -873,7 +877,10 @@ def test_draft_heads_on_cuda_graphs_exact(llama_target, tmp_path, compile, windo
         path = save_heads(heads, info, tmp_path / "heads")
     _, tdev = _devices()
     target = copy.deepcopy(llama_target).to(tdev)
-    ngram = NgramConfig(lookahead=window, lookahead_policy="always")
+    cost = 1e9 if policy == "adaptive" else None
+    ngram = NgramConfig(
+        lookahead=window, lookahead_policy="always", guess_policy=policy, guess_cost_tokens=cost
+    )
     cfg = SpecSplitConfig(
         drafter="ngram",
         target=TargetConfig(
