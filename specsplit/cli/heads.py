@@ -72,7 +72,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--texts", nargs="+", default=None, metavar="PATH",
         help="also train on passages of these files or directories (.py, .md, .rst, .txt, .json), "
-        "labelled with the target's own choices: cheap extra data, code especially",
+        "labelled with the target's own choices: data without generation, but no substitute for the "
+        "target's own answers (at equal steps, source files cut held-out acceptance; RESULTS.md)",
     )  # fmt: skip
     g.add_argument("--text-tokens", type=int, default=4_000_000, help="most tokens taken from --texts")
     g.add_argument("--cache-features-gb", type=float, default=e.cache_features_gb,

@@ -206,9 +206,10 @@ def text_chats(
 ) -> list[Chat]:
     """Passages of the files under ``paths`` (directories are searched for :data:`TEXT_SUFFIXES`),
     each wrapped as the answer of a chat that asks for its file, up to ``max_tokens`` answer tokens
-    in all, files in a seeded random order. Cheap data for a trainer that labels with the target's own
-    choices (its forward over the passage gives them): no generation, and code the target writes
-    about resembles code it reads."""
+    in all, files in a seeded random order. Data for a trainer that labels with the target's own
+    choices (its forward over the passage gives them), without generation; text the target reads is
+    not text it writes, though: in place of more of its own chats it lowered held-out acceptance
+    (benchmarks/RESULTS.md, "Passages of code instead of more chats")."""
     from pathlib import Path
 
     files: list[Path] = []
