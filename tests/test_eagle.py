@@ -267,6 +267,18 @@ def test_pick_tree_keeps_the_best_candidates_closed_under_parents():
 
 
 # ---------------------------------------------------------------------- rounds
+def _assert_cache_is_one_ingest(model, head: TargetEagle, seq: list[int]) -> None:
+    """The head's cache holds, at every committed position of ``seq``, what one ingest of the whole
+    committed text writes there."""
+    t = len(seq) - 1
+    fresh = _drafter(model, head.drafter.layer, capacity=512)
+    with torch.no_grad():
+        fresh.ingest_rows(_features(model, seq[:t]), torch.tensor(seq[1:]), torch.zeros((), dtype=torch.long),
+                          torch.tensor(t))  # fmt: skip
+    assert torch.allclose(head.drafter.k[:, :, :t], fresh.k[:, :, :t], atol=1e-5)
+    assert torch.allclose(head.drafter.v[:, :, :t], fresh.v[:, :, :t], atol=1e-5)
+
+
 def test_every_round_ingests_exactly_the_committed_positions(tmp_path):
     """After a generation (n-gram trees, the head's guesses, a lookahead window: rounds accept 0 to
     several tokens) the head's cache holds, at every committed position, what one ingest of the whole
@@ -279,14 +291,7 @@ def test_every_round_ingests_exactly_the_committed_positions(tmp_path):
         assert isinstance(head, TargetEagle)
         accepted = [r.accepted for r in out.spec_stats.rounds]
         assert max(accepted) >= 2 and min(accepted) == 0
-        seq = out.sequences[0].tolist()
-        t = len(seq) - 1
-        fresh = _drafter(model, head.drafter.layer, capacity=512)
-        with torch.no_grad():
-            fresh.ingest_rows(_features(model, seq[:t]), torch.tensor(seq[1:]), torch.zeros((), dtype=torch.long),
-                              torch.tensor(t))  # fmt: skip
-        assert torch.allclose(head.drafter.k[:, :, :t], fresh.k[:, :, :t], atol=1e-5)
-        assert torch.allclose(head.drafter.v[:, :, :t], fresh.v[:, :, :t], atol=1e-5)
+        _assert_cache_is_one_ingest(model, head, out.sequences[0].tolist())
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["one-graph", "eager"])
@@ -327,14 +332,7 @@ def test_rounds_that_grow_no_guesses_still_feed_the_heads_cache(tmp_path, monkey
         out = gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
         assert calls["ingest"] > calls["grow"] >= 2, calls  # mostly ingest-only, probes still grow
-        seq = out.sequences[0].tolist()
-        t = len(seq) - 1
-        fresh = _drafter(model, head.drafter.layer, capacity=512)
-        with torch.no_grad():
-            fresh.ingest_rows(_features(model, seq[:t]), torch.tensor(seq[1:]), torch.zeros((), dtype=torch.long),
-                              torch.tensor(t))  # fmt: skip
-        assert torch.allclose(head.drafter.k[:, :, :t], fresh.k[:, :, :t], atol=1e-5)
-        assert torch.allclose(head.drafter.v[:, :, :t], fresh.v[:, :, :t], atol=1e-5)
+        _assert_cache_is_one_ingest(model, head, out.sequences[0].tolist())
 
 
 @pytest.mark.parametrize("window", [0, 3], ids=["eagle", "eagle-lookahead"])
