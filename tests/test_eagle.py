@@ -329,8 +329,10 @@ def test_rounds_that_grow_no_guesses_still_feed_the_heads_cache(tmp_path, monkey
         monkeypatch.setattr(head, "round_guesses", counted_grow)
         monkeypatch.setattr(head, "round_ingest", counted_ingest)
         monkeypatch.setattr(head, "eager_guesses", counted_eager)
+        before = gen.target_engine.forward_count
         out = gen.generate(ids, max_new_tokens=60, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref)
+        assert gen.target_engine.forward_count - before == len(out.spec_stats.rounds)  # one forward a round
         assert calls["ingest"] > calls["grow"] >= 2, calls  # mostly ingest-only, probes still grow
         _assert_cache_is_one_ingest(model, head, out.sequences[0].tolist())
 
