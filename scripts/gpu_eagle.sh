@@ -8,7 +8,8 @@
 #      GPU_TESTS=0 skips them);
 #   3. `specsplit bench`: target-only, n-gram + lookahead (the default mode), and the EAGLE head with
 #      and without the window (with the window also under guess_policy="adaptive"), compiled, in one
-#      run (DECODERS overrides the list);
+#      run (DECODERS overrides the list), then each decoder's rounds profiled on PROFILE_PROMPTS prompts
+#      (default 7, one a category; 0: none): GPU busy/idle time a round and the largest kernels;
 #   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run;
 #   HOME_PIECES=1 / HEAD_PIECES=DIR: the trained head in pieces to bring home, and restored from them;
 #   CHATS_FILE: chats written by an earlier lease (`.jsonl` or `.jsonl.gz`), so none are generated;
@@ -80,7 +81,7 @@ fi
 python3 -m specsplit.cli bench --suite full --target "$TARGET" --device "${DEVICE:-cuda:0}" --draft self:2 --repeats 1 --prompts-per-category \
   "${PER_CATEGORY:-2}" --max-new-tokens 128 --dtype auto --cuda-graphs --fuse-projections --no-tie-analysis \
   --out "$OUT" --tag "${TAG:-eagle-compiled}" --eagle-heads "$EAGLE" --heads-nodes "${HEADS_NODES:-32}" \
-  "${heads_flags[@]}" --decoders "$decoders" > "$OUT/bench.log" 2>&1
+  "${heads_flags[@]}" --decoders "$decoders" --profile-prompts "${PROFILE_PROMPTS:-7}" > "$OUT/bench.log" 2>&1
 note "bench rc=$?"
 cp "$EAGLE/heads.json" "$OUT/eagle-heads.json" 2>/dev/null
 note done

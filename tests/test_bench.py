@@ -253,6 +253,48 @@ def test_unknown_category_is_run_and_reported(tmp_path: Path, monkeypatch: pytes
         assert ticks == ["chat", "my-workload", "all"]
 
 
+def test_profile_prompts_profiles_each_specsplit_decoder_after_the_timing(tmp_path: Path) -> None:
+    """``profile_prompts``: each SpecSplit decoder generates the chosen prompts once more under the
+    profiler; the pooled rounds are the timed run's rounds of those prompts (greedy, float32, so the
+    same generation), the HF baseline has no profile, and the report gains the section."""
+    from specsplit.bench.run import BenchOptions, _markdown, run_bench
+
+    opts = BenchOptions(suite="smoke", decoders=("hf-target", "specsplit-target-only", "specsplit-chain"),
+                        repeats=1, max_new_tokens=8, out=tmp_path, threads=1, profile_prompts=2)  # fmt: skip
+    result = run_bench(opts)
+    profiles = result["profiles"]
+    assert set(profiles) == {"specsplit-target-only", "specsplit-chain"}
+    assert result["config"]["profile_prompts"] == 2
+    for name, p in profiles.items():
+        assert p["prompts"] == ["random-01", "random-02"]  # one per category
+        timed = sum(r["rounds"] for r in result["runs"] if r["decoder"] == name)
+        assert p["rounds"] == timed > 0, name
+        assert p["wall_ms"] > 0 and p["kernels_ms"] == {}  # no GPU here
+    md = Path(result["files"]["md"]).read_text()
+    assert "## Profiled rounds" in md and "| `specsplit-chain` | random-01, random-02 |" in md
+    assert "## Profiled rounds" not in _markdown({**result, "profiles": None})
+
+
+def test_profile_prompts_spread_over_the_categories() -> None:
+    from specsplit.bench.run import BenchPrompt, profile_prompts
+
+    ps = [BenchPrompt(f"{c}-{i}", c) for c in ("code", "chat", "math") for i in (1, 2)]
+    assert [p.id for p in profile_prompts(ps, 4)] == ["chat-1", "code-1", "math-1", "chat-2"]
+    assert [p.id for p in profile_prompts(ps, 10)] == [
+        "chat-1", "code-1", "math-1", "chat-2", "code-2", "math-2"
+    ]  # fmt: skip
+    assert profile_prompts(ps, 0) == []
+
+
+def test_profile_prompts_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--suite", "smoke", "--device", "cpu", "--profile-prompts", "-1"]) == 2
+    assert "--profile-prompts must be >= 0" in capsys.readouterr().err
+    assert (
+        main(["bench", "--suite", "smoke", "--device", "cpu", "--batch-size", "2", "--profile-prompts", "1"])
+        != 0
+    )
+
+
 def test_load_prompts_rejects_duplicate_ids(tmp_path: Path) -> None:
     line = '{"id": "a", "category": "code", "messages": [{"role": "user", "content": "x"}]}\n'
     (tmp_path / "p.jsonl").write_text(line * 2)

@@ -7,7 +7,14 @@ import torch
 from conftest import noisy_copy
 
 from specsplit import SpecSplitConfig, SpecSplitGenerator, TreeConfig
-from specsplit.bench.profiling import analyze_trace, format_summary, host_times, round_timeline
+from specsplit.bench.profiling import (
+    analyze_trace,
+    format_summary,
+    host_times,
+    merge_profiles,
+    profiles_markdown,
+    round_timeline,
+)
 
 
 def _x(name, cat, ts, dur, corr=None):
@@ -52,6 +59,40 @@ def test_analyze_trace_splits_rounds_phases_and_idle():
     assert s["mean"]["rounds"] == 2
     assert s["mean"]["gpu_ms"]["verify"] == pytest.approx((0.05 + 0.01) / 2)
     assert "GPU busy" in format_summary(s)
+    # GPU time a round by kernel name over the whole generation, largest first
+    kernels = s["mean"]["kernels_ms"]
+    assert list(kernels) == ["k_grow", "k_verify", "k_ingest", "k_v2"]
+    assert kernels == pytest.approx({"k_grow": 0.04, "k_verify": 0.025, "k_ingest": 0.02, "k_v2": 0.005})
+
+
+def _summary(rounds, wall, busy, gpu_ms, kernels):
+    return {"mean": {"rounds": rounds, "wall_ms": wall, "gpu_busy_ms": busy, "gpu_idle_ms": wall - busy,
+                     "gpu_ms": gpu_ms, "idle_ms": {}, "sync_ms": {}, "kernels_ms": kernels}}  # fmt: skip
+
+
+def test_merge_profiles_weights_each_generation_by_its_rounds():
+    a = _summary(1, 4.0, 2.0, {"verify": 2.0}, {"gemm": 1.5, "topk": 0.5})
+    b = _summary(3, 2.0, 1.0, {"verify": 1.0, "draft": 0.2}, {"gemm": 0.5})
+    m = merge_profiles([a, b], ["p1", "p2"])
+    assert (m["prompts"], m["rounds"]) == (["p1", "p2"], 4)
+    assert m["wall_ms"] == pytest.approx((4.0 + 3 * 2.0) / 4)
+    assert m["gpu_busy_ms"] == pytest.approx((2.0 + 3 * 1.0) / 4)
+    assert m["gpu_idle_ms"] == pytest.approx(m["wall_ms"] - m["gpu_busy_ms"])
+    assert m["gpu_ms"] == pytest.approx({"verify": 1.25, "draft": 0.15})
+    assert m["kernels_ms"] == pytest.approx({"gemm": 0.75, "topk": 0.125})
+    assert list(m["kernels_ms"]) == ["gemm", "topk"]
+
+
+def test_profiles_markdown_lists_rounds_kernels_and_failures():
+    m = merge_profiles([_summary(2, 3.0, 2.5, {"verify": 2.5}, {"void gemm<a|b>": 1.2})], ["code-01"])
+    md = profiles_markdown({"specsplit-x": m, "specsplit-y": "profiling failed: RuntimeError: boom"})
+    assert "## Profiled rounds" in md
+    assert "| `specsplit-x` | code-01 | 2 | 3.00 | 2.50 | 0.50 | verify 2.50 |" in md
+    assert "profiling failed: RuntimeError: boom" in md
+    assert "| `specsplit-x` | `void gemm<a/b>` | 1200.0 |" in md  # a '|' would break the table
+    cpu = merge_profiles([_summary(2, 3.0, 0.0, {}, {})], ["chat-01"])
+    assert "No GPU kernels were recorded" in profiles_markdown({"specsplit-x": cpu})
+    assert profiles_markdown(None) == "" and profiles_markdown({}) == ""
 
 
 def test_analyze_trace_needs_annotations():

@@ -174,6 +174,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default="dynamic",
         help="the heads' guess tree: each round's most probable paths, or the same tree every round",
     )
+    p.add_argument(
+        "--profile-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed runs, generate N prompts (spread over the categories) once more with each "
+        "SpecSplit decoder under the torch profiler; the report adds GPU busy/idle time a round by "
+        "phase and the largest kernels (default 0: none)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--prompts",
@@ -305,6 +314,8 @@ def _command_line(args: argparse.Namespace, device: str) -> str:
         parts += ["--eagle-heads", args.eagle_heads]
     if args.draft_heads or args.eagle_heads:
         parts += ["--heads-nodes", str(args.heads_nodes)]
+    if args.profile_prompts:
+        parts += ["--profile-prompts", str(args.profile_prompts)]
     if args.threads:
         parts += ["--threads", str(args.threads)]
     if args.cuda_graphs:
@@ -361,6 +372,7 @@ def _options(args: argparse.Namespace, device: str) -> BenchOptions:
         notes=list(args.note),
         command=_command_line(args, device),
         tie_analysis=args.tie_analysis,
+        profile_prompts=args.profile_prompts,
         baseline_repeats=args.baseline_repeats,
         overlap_draft_device=args.overlap_draft_device,
         fuse_projections=args.fuse_projections,
@@ -416,6 +428,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         opts.threads,
         opts.baseline_repeats,
     )
+    if opts.profile_prompts < 0:
+        print("specsplit bench: --profile-prompts must be >= 0", file=sys.stderr)
+        return 2
     if any(x is not None and x < 1 for x in counts):
         print(
             "specsplit bench: --num-draft-tokens, --max-new-tokens, --repeats, --prompts-per-category "
@@ -441,6 +456,8 @@ def _cmd_batch_bench(args: argparse.Namespace, device: str) -> int:
         sizes = tuple(int(x) for x in (args.batch_size or "").split(",") if x.strip())
         if clients and sizes:
             raise ValueError("--batch-size and --concurrent-clients are two different runs: pick one")
+        if args.profile_prompts:
+            raise ValueError("--profile-prompts profiles the single-sequence bench's decoders, not this run")
         if any(x < 1 for x in clients + sizes):
             raise ValueError("batch sizes and client counts must be >= 1")
         picked = tuple(d.strip() for d in args.decoders.split(",") if d.strip())

@@ -76,6 +76,8 @@ class Decoder:
     close: Callable[[], None] = lambda: None
     config: Any = None  # the SpecSplitConfig of a local SpecSplit decoder
     shape_warmup: bool = False  # captures graphs / compiles per shape: warm up on every prompt
+    # ``run`` once more under the profiler: profiling.round_timeline's summary (SpecSplit decoders)
+    profile: Callable[[torch.Tensor, int], dict[str, Any]] | None = None
 
 
 # --------------------------------------------------------------------------------------------- decoders
@@ -172,10 +174,19 @@ def _hf_decoder(name: str, label: str, m: BenchModels, mode: HfMode, k: int) -> 
 def _specsplit_decoder(
     name: str, label: str, m: BenchModels, gen: Any, close: Callable[[], None], shape_warmup: bool = False
 ) -> Decoder:
-    def run(ids: torch.Tensor, max_new: int) -> DecodeOutput:
+    def forget() -> None:
         forget = getattr(gen, "forget_generations", None)
         if forget is not None:  # a prompt must not draft from its own earlier runs (warm-up, repeats)
             forget()
+
+    def profile(ids: torch.Tensor, max_new: int) -> dict[str, Any]:
+        from specsplit.bench.profiling import round_timeline
+
+        forget()
+        return round_timeline(gen, ids, generation_config=m.generation_config(max_new))
+
+    def run(ids: torch.Tensor, max_new: int) -> DecodeOutput:
+        forget()
         out = gen.generate(ids, generation_config=m.generation_config(max_new), return_dict_in_generate=True)
         rs = out.spec_stats.rounds
         split = {
@@ -194,7 +205,15 @@ def _specsplit_decoder(
         new = out.sequences[0, ids.shape[1] :].tolist()
         return DecodeOutput(new, [(r.drafted_depth, r.accepted) for r in rs], split)
 
-    return Decoder(name, label, run, close, config=getattr(gen, "config", None), shape_warmup=shape_warmup)
+    return Decoder(
+        name,
+        label,
+        run,
+        close,
+        config=getattr(gen, "config", None),
+        shape_warmup=shape_warmup,
+        profile=profile,
+    )
 
 
 def _tree_words(tree: Any) -> str:

@@ -11,7 +11,12 @@ the verify call) and reduces the trace with :func:`analyze_trace` to, per round:
   for the phase that replayed it, wherever they ran);
 - ``idle_ms[phase]``: the device's idle time by what the host was doing meanwhile (``glue``: the
   decoding loop between the engine calls);
-- ``sync_ms[phase]``: host time blocked in device synchronisations / device-to-host copies.
+- ``sync_ms[phase]``: host time blocked in device synchronisations / device-to-host copies;
+
+and, over the whole generation, ``kernels_ms``: GPU time a round by kernel name (largest first;
+a kernel replayed from a CUDA graph counts under its own name). :func:`merge_profiles` pools the
+summaries of several generations and :func:`profiles_markdown` writes them as a bench report's
+section (``specsplit bench --profile-prompts N``).
 
 The profiler slows the host down, so idle times are upper bounds; GPU times are not affected.
 
@@ -42,6 +47,7 @@ _PHASES = (
     ("transport.draft_engine", "_grow", "draft.grow"),
 )
 GLUE = "glue"
+KERNEL_NAME_CHARS = 90  # kernel names (often long C++ templates) are kept this long
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 _SYNC_NAMES = ("Synchronize", "cudaMemcpy", "cuMemcpy")
@@ -201,6 +207,7 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     ranges: list[tuple[float, float, str]] = []
     runtime: dict[Any, float] = {}
     gpu: list[tuple[float, float, Any]] = []
+    names: list[str] = []  # each GPU event's name, in the order of ``gpu``
     syncs: list[tuple[float, float]] = []
     for ev in events:
         if ev.get("ph") != "X":
@@ -217,6 +224,7 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
                 syncs.append((ts, dur))
         elif cat in _GPU_CATS:
             gpu.append((ts, ts + dur, corr))
+            names.append(name[:KERNEL_NAME_CHARS])
     phases = _Phases(ranges)
     calls = sorted(r for r in ranges if r[2] in ("draft", "verify"))
     if not calls:
@@ -235,11 +243,14 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     def round_of(ts: float) -> int:
         return max(0, bisect.bisect_right(starts, ts) - 1)
 
-    for s, e, corr in gpu:
+    kernels: dict[str, float] = {}
+    for (s, e, corr), name in zip(gpu, names, strict=True):
         launched = runtime.get(corr, s)
         r = rounds[round_of(launched)]
         ph = phases.at(launched)
         r["gpu_ms"][ph] = r["gpu_ms"].get(ph, 0.0) + (e - s) / 1e3
+        if launched >= starts[0]:
+            kernels[name] = kernels.get(name, 0.0) + (e - s) / 1e3
     for lo_i, (lo, hi) in enumerate(bounds):  # busy and idle inside each round's window
         r, t = rounds[lo_i], lo
         j = bisect.bisect_left(busy_spans, (lo, lo))
@@ -266,7 +277,9 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         r = rounds[round_of(ts)]
         ph = phases.at(ts)
         r["sync_ms"][ph] = r["sync_ms"].get(ph, 0.0) + dur / 1e3
-    return {"rounds": rounds, "mean": _mean(rounds)}
+    mean = _mean(rounds)
+    mean["kernels_ms"] = {k: v / len(rounds) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])}
+    return {"rounds": rounds, "mean": mean}
 
 
 def _mean(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -296,3 +309,60 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  host blocked in syncs ms: {parts(m['sync_ms'])}",
         ]
     )
+
+
+def merge_profiles(summaries: list[dict[str, Any]], prompt_ids: list[str]) -> dict[str, Any]:
+    """One decoder's profiled generations pooled: every figure of their ``mean`` weighted by the
+    generation's rounds, so the result is per round over all of them."""
+    total = sum(s["mean"]["rounds"] for s in summaries)
+    out: dict[str, Any] = {"prompts": list(prompt_ids), "rounds": total}
+    weights = [s["mean"]["rounds"] / max(total, 1) for s in summaries]
+    for k in ("wall_ms", "gpu_busy_ms", "gpu_idle_ms"):
+        out[k] = sum(w * s["mean"][k] for w, s in zip(weights, summaries, strict=True))
+    for k in ("gpu_ms", "idle_ms", "sync_ms", "kernels_ms"):
+        pooled: dict[str, float] = {}
+        for w, s in zip(weights, summaries, strict=True):
+            for name, v in s["mean"].get(k, {}).items():
+                pooled[name] = pooled.get(name, 0.0) + w * v
+        out[k] = dict(sorted(pooled.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def profiles_markdown(profiles: dict[str, Any] | None, top_kernels: int = 12) -> str:
+    """A bench report's section of profiled rounds (``result["profiles"]``: decoder -> pooled
+    profile or the reason it has none); empty without profiles."""
+    if not profiles:
+        return ""
+
+    def parts(d: dict[str, float], n: int = 3) -> str:
+        return ", ".join(f"{k} {v:.2f}" for k, v in list(d.items())[:n]) or "–"
+
+    lines = [
+        "",
+        "## Profiled rounds",
+        "",
+        "After the timed runs, each decoder generated the listed prompts once more under the torch "
+        "profiler (which slows the host, so idle times are upper bounds; GPU times are not affected). "
+        "Milliseconds a round: host wall time, the union of the GPU's work inside it and the rest, and "
+        "the GPU time by the phase that launched it.",
+        "",
+        "| decoder | prompts | rounds | wall ms | GPU busy ms | GPU idle ms | GPU ms by launching phase | idle ms by host phase |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    kept = {d: p for d, p in profiles.items() if isinstance(p, dict)}
+    for dec, p in profiles.items():
+        if not isinstance(p, dict):
+            lines.append(f"| `{dec}` | – | – | – | – | – | {p} | – |")
+            continue
+        lines.append(
+            f"| `{dec}` | {', '.join(p['prompts'])} | {p['rounds']} | {p['wall_ms']:.2f} | "
+            f"{p['gpu_busy_ms']:.2f} | {p['gpu_idle_ms']:.2f} | {parts(p['gpu_ms'])} | {parts(p['idle_ms'])} |"
+        )
+    if not any(p.get("kernels_ms") for p in kept.values()):
+        return "\n".join([*lines, "", "No GPU kernels were recorded (a run without a GPU).", ""])
+    lines += ["", f"Largest kernels, µs a round (each decoder's {top_kernels} largest):", ""]
+    lines += ["| decoder | kernel | µs a round |", "|---|---|---:|"]
+    for dec, p in kept.items():
+        for name, ms in list(p["kernels_ms"].items())[:top_kernels]:
+            lines.append(f"| `{dec}` | `{name.replace('|', '/')}` | {1e3 * ms:.1f} |")
+    return "\n".join([*lines, ""])

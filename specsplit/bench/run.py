@@ -144,6 +144,7 @@ class BenchOptions:
     heads_nodes: int = 32  # tree nodes their guesses take a round
     heads_tree: str = "dynamic"  # their guess tree (TargetConfig.draft_heads_tree)
     eagle_heads: str | None = None  # the -eagle decoders' EAGLE head directory
+    profile_prompts: int = 0  # after the timing, profile each SpecSplit decoder's rounds on this many prompts
 
     def build_options(self) -> BuildOptions:
         """What the SpecSplit decoders are built from (the HF baselines take only ``num_draft_tokens``)."""
@@ -314,6 +315,45 @@ def _measure(
     return records
 
 
+def profile_prompts(prompts: list[BenchPrompt], count: int) -> list[BenchPrompt]:
+    """``count`` prompts that spread over the categories: each category's first, then its second..."""
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    cats = order_categories(by_cat)
+    picked: list[BenchPrompt] = []
+    for i in range(max((len(v) for v in by_cat.values()), default=0)):
+        picked += [by_cat[c][i] for c in cats if i < len(by_cat[c])]
+    return picked[:count]
+
+
+def _profile(
+    decoders: list[Decoder], prompts: list[BenchPrompt], count: int, max_new: int
+) -> dict[str, Any] | None:
+    """Each SpecSplit decoder's rounds on ``count`` prompts under the profiler, pooled
+    (:func:`~specsplit.bench.profiling.merge_profiles`); decoders without a profile are left out, and
+    one whose profile fails gets the error's text instead. None when ``count`` is 0."""
+    if count <= 0:
+        return None
+    from specsplit.bench.profiling import merge_profiles
+
+    chosen = profile_prompts(prompts, count)
+    out: dict[str, Any] = {}
+    for dec in decoders:
+        if dec.profile is None:
+            continue
+        t0 = time.perf_counter()
+        try:
+            runs = [dec.profile(torch.tensor([p.input_ids], dtype=torch.long), max_new) for p in chosen]
+        except Exception as e:  # a report with one decoder's reason beats no report at all
+            logger.warning("profiling %s failed: %s", dec.name, e)
+            out[dec.name] = f"profiling failed: {type(e).__name__}: {e}"
+            continue
+        out[dec.name] = merge_profiles(runs, [p.id for p in chosen])
+        logger.info("profiled %-22s on %d prompts in %.1f s", dec.name, len(chosen), time.perf_counter() - t0)
+    return out
+
+
 def pack_copies(pack_weights: bool | None, compile: bool, decoders: Any) -> bool:
     """Whether the SpecSplit decoders run packed-weight copies: unless ``--no-pack-weights``, and not
     when any of them compiles (torch.compile cannot lower packed weights; they all share the copies)."""
@@ -410,6 +450,7 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
     new_tokens: dict[tuple[str, str], list[int]] = {}
     try:
         records = _measure(decoders, prompts, repeats, max_new, devices, new_tokens, opts.baseline_repeats)
+        profiles = _profile(decoders, prompts, opts.profile_prompts, max_new)
     finally:
         for dec in decoders:
             dec.close()
@@ -478,6 +519,9 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
         "summary": summarize(records, names, categories, BASELINE, ASSISTED),
         "runs": [asdict(r) for r in records],
     }
+    if profiles:
+        result["config"]["profile_prompts"] = opts.profile_prompts
+        result["profiles"] = profiles
     from specsplit.bench.ties import bench_tie_analysis  # greedy mismatches: near-ties or not?
 
     ties = bench_tie_analysis(models, prompts, new_tokens, BASELINE, opts.tie_analysis)
@@ -501,6 +545,11 @@ def _run(opts: BenchOptions, suite: Suite, max_new: int, repeats: int) -> dict[s
 
 def _markdown(result: dict[str, Any]) -> str:
     """The report's markdown, with the near-tie analysis section when the run has one."""
+    from specsplit.bench.profiling import profiles_markdown
     from specsplit.bench.ties import to_markdown as ties_markdown
 
-    return to_markdown(result) + ties_markdown(result.get("tie_analysis"))
+    return (
+        to_markdown(result)
+        + profiles_markdown(result.get("profiles"))
+        + ties_markdown(result.get("tie_analysis"))
+    )
