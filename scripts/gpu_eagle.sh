@@ -13,6 +13,7 @@
 #   4. MEDUSA_DIR set: Medusa heads on the same chats first, and their decoder in the same bench run;
 #   HOME_PIECES=1 / HEAD_PIECES=DIR: the trained head in pieces to bring home, and restored from them;
 #   CHATS_FILE: chats written by an earlier lease (`.jsonl` or `.jsonl.gz`), so none are generated;
+#   5. EAGLE_TREES="8,8,4 8,4,5": the trained head growing those TOPK,WIDTH,DEPTH trees, a short bench each;
 #   0. ROUND_KERNELS=1: first, alone on the GPU, the kernels of a compiled round with a random EAGLE
 #      head against the same round without it (round_kernels.py; no staging needed, so this step may
 #      also run on its own while the model's chunks are still being carried: ONLY_ROUND_KERNELS=1).
@@ -84,4 +85,23 @@ python3 -m specsplit.cli bench --suite full --target "$TARGET" --device "${DEVIC
   "${heads_flags[@]}" --decoders "$decoders" --profile-prompts "${PROFILE_PROMPTS:-7}" > "$OUT/bench.log" 2>&1
 note "bench rc=$?"
 cp "$EAGLE/heads.json" "$OUT/eagle-heads.json" 2>/dev/null
+# 5. EAGLE_TREES="TOPK,WIDTH,DEPTH ...": the same head growing other trees (its weights do not depend
+#    on the tree: a copy of its directory with heads.json's tree changed), each in a bench of its own
+#    against target-only (TREE_DECODERS, TREE_PER_CATEGORY).
+for shape in ${EAGLE_TREES:-}; do
+  dir="$OUT/eagle-tree-${shape//,/-}"
+  mkdir -p "$dir" && ln -sf "$(realpath "$EAGLE")/heads.safetensors" "$dir/heads.safetensors"
+  python3 - "$EAGLE/heads.json" "$dir/heads.json" "$shape" <<'PY' || { note "eagle tree $shape: bad shape"; continue; }
+import json, sys
+info = json.load(open(sys.argv[1]))
+info["eagle"]["topk"], info["eagle"]["width"], info["eagle"]["depth"] = (int(x) for x in sys.argv[3].split(","))
+json.dump(info, open(sys.argv[2], "w"), indent=1)
+PY
+  python3 -m specsplit.cli bench --suite full --target "$TARGET" --device "${DEVICE:-cuda:0}" --draft self:2 --repeats 1 \
+    --prompts-per-category "${TREE_PER_CATEGORY:-4}" --max-new-tokens 128 --dtype auto --cuda-graphs --fuse-projections \
+    --no-tie-analysis --out "$OUT" --tag "eagle-tree-${shape//,/-}" --eagle-heads "$dir" --heads-nodes "${HEADS_NODES:-32}" \
+    --decoders "${TREE_DECODERS:-specsplit-target-only-compiled,specsplit-eagle-lookahead-always-compiled}" \
+    > "$OUT/bench-tree-${shape//,/-}.log" 2>&1
+  note "eagle tree $shape bench rc=$?"
+done
 note done
