@@ -276,14 +276,14 @@ def test_profile_prompts_profiles_each_specsplit_decoder_after_the_timing(tmp_pa
 
 
 def test_profile_prompts_spread_over_the_categories() -> None:
-    from specsplit.bench.run import BenchPrompt, profile_prompts
+    from specsplit.bench.run import BenchPrompt, spread_prompts
 
     ps = [BenchPrompt(f"{c}-{i}", c) for c in ("code", "chat", "math") for i in (1, 2)]
-    assert [p.id for p in profile_prompts(ps, 4)] == ["chat-1", "code-1", "math-1", "chat-2"]
-    assert [p.id for p in profile_prompts(ps, 10)] == [
+    assert [p.id for p in spread_prompts(ps, 4)] == ["chat-1", "code-1", "math-1", "chat-2"]
+    assert [p.id for p in spread_prompts(ps, 10)] == [
         "chat-1", "code-1", "math-1", "chat-2", "code-2", "math-2"
     ]  # fmt: skip
-    assert profile_prompts(ps, 0) == []
+    assert spread_prompts(ps, 0) == []
 
 
 def test_profile_prompts_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -206,8 +206,7 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     figures and their means; see the module docstring. Times in milliseconds."""
     ranges: list[tuple[float, float, str]] = []
     runtime: dict[Any, float] = {}
-    gpu: list[tuple[float, float, Any]] = []
-    names: list[str] = []  # each GPU event's name, in the order of ``gpu``
+    gpu: list[tuple[float, float, Any, str]] = []  # start, end, correlation id, kernel name
     syncs: list[tuple[float, float]] = []
     for ev in events:
         if ev.get("ph") != "X":
@@ -223,17 +222,16 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             if any(k in name for k in _SYNC_NAMES):
                 syncs.append((ts, dur))
         elif cat in _GPU_CATS:
-            gpu.append((ts, ts + dur, corr))
-            names.append(name[:KERNEL_NAME_CHARS])
+            gpu.append((ts, ts + dur, corr, name[:KERNEL_NAME_CHARS]))
     phases = _Phases(ranges)
     calls = sorted(r for r in ranges if r[2] in ("draft", "verify"))
     if not calls:
         raise ValueError("the trace holds no annotated draft/verify call (profile with annotate_phases)")
     # A round starts at a draft call, or at a verify call not preceded by its round's draft call.
     starts = [s for i, (s, _, n) in enumerate(calls) if n == "draft" or i == 0 or calls[i - 1][2] != "draft"]
-    end = max(max(e for _, e, _ in calls), max((e for _, e, _ in gpu), default=0.0))
+    end = max(max(e for _, e, _ in calls), max((e for _, e, *_ in gpu), default=0.0))
     bounds = list(zip(starts, starts[1:] + [end], strict=True))
-    busy_spans = _union([(s, e) for s, e, _ in gpu])
+    busy_spans = _union([(s, e) for s, e, *_ in gpu])
     rounds: list[dict[str, Any]] = []
     for lo, hi in bounds:
         rounds.append(
@@ -244,7 +242,7 @@ def analyze_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         return max(0, bisect.bisect_right(starts, ts) - 1)
 
     kernels: dict[str, float] = {}
-    for (s, e, corr), name in zip(gpu, names, strict=True):
+    for s, e, corr, name in gpu:
         launched = runtime.get(corr, s)
         r = rounds[round_of(launched)]
         ph = phases.at(launched)

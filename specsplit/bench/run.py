@@ -315,7 +315,7 @@ def _measure(
     return records
 
 
-def profile_prompts(prompts: list[BenchPrompt], count: int) -> list[BenchPrompt]:
+def spread_prompts(prompts: list[BenchPrompt], count: int) -> list[BenchPrompt]:
     """``count`` prompts that spread over the categories: each category's first, then its second..."""
     by_cat: dict[str, list[BenchPrompt]] = {}
     for p in prompts:
@@ -337,7 +337,7 @@ def _profile(
         return None
     from specsplit.bench.profiling import merge_profiles
 
-    chosen = profile_prompts(prompts, count)
+    chosen = spread_prompts(prompts, count)
     out: dict[str, Any] = {}
     for dec in decoders:
         if dec.profile is None:
