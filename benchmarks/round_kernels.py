@@ -16,6 +16,9 @@ work overlaps); ``--trace`` keeps each profile's Chrome trace beside the report.
     python benchmarks/round_kernels.py --device cpu --strided
     python benchmarks/round_kernels.py --device cuda:0 --sizes 32 --compile --heads 16 --tag h200-heads
 
+``--fold-max-rows N`` sets how many rows a tree forward may have and still fold GQA into its query
+rows (:data:`specsplit.runtime.attention.FOLD_MAX_ROWS`), for an A/B of that limit.
+
 ``--heads N`` gives the target random token-conditioned draft heads (4 heads, 10 ranks, N guess nodes;
 :mod:`specsplit.runtime.heads`): the trees stay the script's own, and each round also runs the heads'
 work (the hidden-state copy, the blocks, the output-layer product, the top-k); compare its kernels
@@ -177,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--eagle-topk-chunk", type=int, default=-1,
                    help="--heads-kind eagle: eagle.TOPK_CHUNK (0: one torch.topk; -1: the default)")  # fmt: skip
+    p.add_argument("--fold-max-rows", type=int, default=0,
+                   help="attention.FOLD_MAX_ROWS for this run (0: the library's): the rows up to which a "
+                   "tree forward folds GQA into its query rows")  # fmt: skip
     p.add_argument("--trace", action="store_true", help="also write each size's Chrome trace (.trace.json)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
@@ -191,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with dev:
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B)).to(torch.bfloat16).eval()
+    if a.fold_max_rows:
+        from specsplit.runtime import attention
+
+        attention.FOLD_MAX_ROWS = a.fold_max_rows
     if a.eagle_topk_chunk >= 0:
         from specsplit.runtime import eagle
 
@@ -288,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --heads-kind {a.heads_kind}" if a.heads and a.heads_kind != "medusa" else "")
         + (f" --eagle-vocab {a.eagle_vocab}" if a.eagle_vocab else "")
         + (f" --eagle-topk-chunk {a.eagle_topk_chunk}" if a.eagle_topk_chunk >= 0 else "")
+        + (f" --fold-max-rows {a.fold_max_rows}" if a.fold_max_rows else "")
         + (f" --tag {a.tag}" if a.tag else "")
         + "`",
         f"- date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",

@@ -101,6 +101,35 @@ def test_engines_fold_tree_forwards_and_match_hf_generate(monkeypatch):
     assert calls == []
 
 
+def test_the_largest_padded_round_folds_on_the_static_path(monkeypatch):
+    """A lookahead round with draft-head guesses verifies the largest padded tree (64 nodes) and the
+    pending token: 65 rows. Past the fold limit such a round fell back to the memory-efficient
+    kernel, which on a GPU cost more than the round's whole MLP (benchmarks/RESULTS.md, "Rounds of
+    64 nodes fold again"). Every row of it must fold, and the round still decides what the target
+    decides."""
+    from specsplit.core.tree import TokenTree
+    from specsplit.engines.drafters import TREE_SIZES
+    from specsplit.engines.target import TargetEngine
+    from specsplit.messages import VerifyRequest
+
+    target = sharpen(tiny_llama(0))
+    prompt = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    calls = _spy(monkeypatch, fold_all=False)  # the static path's "math" kernel folds at any length
+    eng = TargetEngine(target, TargetConfig(cuda_graphs=True))
+    n = TREE_SIZES[-1]
+    parents = torch.tensor([-1] + list(range(n // 2 - 1)) + [-1] * (n - n // 2))
+    depths = torch.tensor(list(range(1, n // 2 + 1)) + [1] * (n - n // 2))
+    tree = TokenTree(torch.randint(3, 200, (n,)), parents, depths, torch.zeros(n))
+    res = eng.verify(VerifyRequest("s", TokenTree.empty(), prompt, 0, capacity_hint=256))
+    calls.clear()
+    res = eng.verify(VerifyRequest("s", tree, [res.next_token_id], len(prompt), capacity_hint=256))
+    assert calls and {rows for rows, _ in calls} == {n + 1}  # every layer of the round folded
+    assert n + 1 <= attn.FOLD_MAX_ROWS
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, max_new_tokens=2 + len(res.accepted_token_ids), do_sample=False)
+    assert res.accepted_token_ids + [res.next_token_id] == ref[0, len(prompt) + 1 :].tolist()
+
+
 def _chain_matches_hf(prompt_len: int, new: int, seed: int) -> None:
     """Greedy chain decoding on fresh tiny models equals HF generate()."""
     target, draft = sharpen(tiny_llama(0)), sharpen(tiny_llama(1, layers=1))

@@ -24,6 +24,16 @@ def test_round_kernels_runs_plain_and_tree_rounds_on_cpu(capsys):
     assert "0:" in out and "16:" in out  # ms a round of each kind
 
 
+def test_fold_max_rows_sets_the_limit_for_the_run(capsys, monkeypatch):
+    """``--fold-max-rows N``: the run's tree forwards fold GQA up to N rows (an A/B of the limit)."""
+    from specsplit.runtime import attention
+
+    monkeypatch.setattr(attention, "FOLD_MAX_ROWS", attention.FOLD_MAX_ROWS)  # restored afterwards
+    assert _script().main(["--device", "cpu", "--sizes", "4", "--rounds", "2", "--context", "16",
+                           "--fold-max-rows", "3"]) == 0  # fmt: skip
+    assert attention.FOLD_MAX_ROWS == 3 and "4:" in capsys.readouterr().out
+
+
 def test_strided_lists_the_operators_that_read_gapped_rows(capsys):
     """With several rows, the fused MLP's activation reads the gate half of the fused GEMM's output:
     a tensor with gaps between its rows; a one-row step has no such read there."""

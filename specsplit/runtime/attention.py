@@ -52,7 +52,11 @@ RECORDER_KWARG = "specpv_recorder"  # model-forward kwarg: a SpecPV QueryRecorde
 ENGINE_KWARG = "specsplit_engine"  # model-forward kwarg: a SpecSplit engine's forward (see above)
 # Engine forwards' SDPA skips cuDNN (a module attribute so a benchmark can route around it for an A/B)
 AVOID_CUDNN = True
-FOLD_MAX_ROWS = 64  # tree forwards; a long prefill keeps SDPA (its folded mask would be huge)
+# Tree forwards: the largest padded round (64 nodes and the pending token: 65 rows) must fold, since
+# past the limit a round falls back to the memory-efficient kernel, whose batch-1 grid is a few
+# blocks per head (see benchmarks/NOTES.md, "Folded GQA attention and the math kernel"). A long
+# prefill keeps SDPA (its folded mask would be huge).
+FOLD_MAX_ROWS = 128
 # Below this many cached tokens transformers' path is as fast or faster, so the fold starts here (see
 # benchmarks/NOTES.md, "Folded GQA attention and the math kernel").
 FOLD_MIN_KV = 2048
