@@ -101,7 +101,11 @@ def test_engines_fold_tree_forwards_and_match_hf_generate(monkeypatch):
     assert calls == []
 
 
-def test_the_largest_padded_round_folds_on_the_static_path(monkeypatch):
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+)
+def test_the_largest_padded_round_folds_on_the_static_path(monkeypatch, device):
     """A lookahead round with draft-head guesses verifies the largest padded tree (64 nodes) and the
     pending token: 65 rows. Past the fold limit such a round fell back to the memory-efficient
     kernel, which on a GPU cost more than the round's whole MLP (benchmarks/RESULTS.md, "Rounds of
@@ -112,7 +116,7 @@ def test_the_largest_padded_round_folds_on_the_static_path(monkeypatch):
     from specsplit.engines.target import TargetEngine
     from specsplit.messages import VerifyRequest
 
-    target = sharpen(tiny_llama(0))
+    target = sharpen(tiny_llama(0)).to(device)  # on a GPU the round is a captured graph
     prompt = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     calls = _spy(monkeypatch, fold_all=False)  # the static path's "math" kernel folds at any length
     eng = TargetEngine(target, TargetConfig(cuda_graphs=True))
@@ -125,7 +129,7 @@ def test_the_largest_padded_round_folds_on_the_static_path(monkeypatch):
     res = eng.verify(VerifyRequest("s", tree, [res.next_token_id], len(prompt), capacity_hint=256))
     assert calls and {rows for rows, _ in calls} == {n + 1}  # every layer of the round folded
     assert n + 1 <= attn.FOLD_MAX_ROWS
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     ref = target.generate(ids, max_new_tokens=2 + len(res.accepted_token_ids), do_sample=False)
     assert res.accepted_token_ids + [res.next_token_id] == ref[0, len(prompt) + 1 :].tolist()
 
