@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specsplit.bench.report import pyplot  # noqa: E402
+from specsplit.bench.report import pyplot, save_figure  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 # (label, the head's report, the baseline's report or its 32-node (ms, busy µs) where only the
@@ -78,9 +78,7 @@ def main() -> None:
         ax.invert_yaxis()
         ax.set_xlabel("µs an EAGLE head adds to a compiled 32-node round")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(OUT / f"eagle_round_cost-{a.tag}.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, OUT / f"eagle_round_cost-{a.tag}.png")
 
 
 if __name__ == "__main__":

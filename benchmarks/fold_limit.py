@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specsplit.bench.report import pyplot  # noqa: E402
+from specsplit.bench.report import pyplot, save_figure  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 SIZE = "64"
@@ -69,9 +69,7 @@ def main() -> None:
     ax.set_xticks(list(xs), [k for k, _ in KINDS])
     ax.set_ylabel(f"ms a compiled {SIZE}-node round")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(OUT / f"{stem}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, OUT / f"{stem}.png")
 
 
 if __name__ == "__main__":

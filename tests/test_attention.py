@@ -108,9 +108,9 @@ def test_engines_fold_tree_forwards_and_match_hf_generate(monkeypatch):
 def test_the_largest_padded_round_folds_on_the_static_path(monkeypatch, device):
     """A lookahead round with draft-head guesses verifies the largest padded tree (64 nodes) and the
     pending token: 65 rows. Past the fold limit such a round fell back to the memory-efficient
-    kernel, which on a GPU cost more than the round's whole MLP (benchmarks/RESULTS.md, "Rounds of
-    64 nodes fold again"). Every row of it must fold, and the round still decides what the target
-    decides."""
+    kernel, 1.37 ms of a 4.0 ms compiled round on an H200 (benchmarks/RESULTS.md, "Rounds of 64
+    nodes fold again"). Every row of it must fold (the limit follows the largest padded tree), and
+    the round still decides what the target decides."""
     from specsplit.core.tree import TokenTree
     from specsplit.engines.drafters import TREE_SIZES
     from specsplit.engines.target import TargetEngine
