@@ -75,6 +75,24 @@ def noisy_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Modu
 
 
 @pytest.fixture
+def flat_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Price trees as on a GPU, whatever this machine's timings: the planner then drafts n-gram
+    trees wherever it has proposals (measured CPU costs may turn speculation off on a loaded box).
+    The planner's own choices are pinned with injected costs in tests/test_drafters.py."""
+    from specsplit.engines.cost_model import CostModels, FixedCosts
+
+    flat = FixedCosts(fixed=0.001, verify=lambda n: 0.010 + 0.0001 * n, model=0.030)
+    real = CostModels.get
+
+    def get(self: CostModels, *args: Any) -> Any:
+        model = real(self, *args)
+        model.costs = flat
+        return model
+
+    monkeypatch.setattr(CostModels, "get", get)
+
+
+@pytest.fixture
 def outcome_reads(monkeypatch):
     """Counts ``VerifyOutcome.to_host`` calls, lifting CUDA's sync-debug "error" mode for exactly
     that read (the one device-to-host read a round is allowed), and only where the test armed it.

@@ -111,27 +111,11 @@ def test_every_option_changes_hf_output(pair, option: str) -> None:
     assert not torch.equal(_hf(pair[0], ids, **opt, **ctx), _hf(pair[0], ids, **ctx))
 
 
-def _flat_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Price trees as on a GPU, whatever this machine's timings: the planner then drafts n-gram
-    trees wherever it has proposals (measured CPU costs may turn speculation off on a loaded box)."""
-    from specsplit.engines.cost_model import CostModels, FixedCosts
-
-    flat = FixedCosts(fixed=0.001, verify=lambda n: 0.010 + 0.0001 * n, model=0.030)
-    real = CostModels.get
-
-    def get(self: CostModels, *args: Any) -> Any:
-        model = real(self, *args)
-        model.costs = flat
-        return model
-
-    monkeypatch.setattr(CostModels, "get", get)
-
-
 @pytest.mark.parametrize("transport", ["local", "grpc"])
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_greedy_equals_hf_for_every_option(pair, servers, transport: str, drafter: str, monkeypatch) -> None:
+def test_greedy_equals_hf_for_every_option(pair, servers, transport: str, drafter: str, request) -> None:
     if DRAFTERS[drafter][0] == "ngram":
-        _flat_costs(monkeypatch)
+        request.getfixturevalue("flat_costs")
     ids = torch.tensor([PROMPT])
     accepted = 0
     with _generator(pair, servers, transport, drafter) as gen:
